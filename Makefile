@@ -1,0 +1,53 @@
+# Two commands do all set-up on a fresh machine: `make train` and `make test`.
+# On a machine without a GPU the CPU build of torch is installed; GPU users pick another build, e.g.
+#   make train TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch>=2.6
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+TORCH_INDEX ?=
+PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install train test test-unit test-distributed lint format benchmark clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Stamp file: reinstall only when the package metadata changes.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q $(PIP_INDEX_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(BIN)/lightning-dist-train $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit tests/test_configs.py $(PYTEST_ARGS)
+
+test-distributed: install
+	$(BIN)/python -m pytest tests/distributed $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) outputs multirun wandb .pytest_cache .ruff_cache

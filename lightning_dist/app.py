@@ -1,0 +1,246 @@
+"""What the training app builds: the checks made before any process starts, and the run on each rank."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning_dist.config import LoggerConfig, TrainConfig
+from lightning_dist.parallel_dims import ParallelDims
+
+#: Strategies the app can build, and the degrees each of them can do.
+_SUPPORTED = {
+    "ddp": "dp_replicate",
+    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
+    "tensor_parallel": "dp_replicate, dp_shard, tp",
+    "pipeline_parallel": "dp_replicate, dp_shard, tp, pp",
+}
+
+
+def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
+    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
+    par = cfg.parallelism
+    return ParallelDims(
+        world_size=cfg.cluster.devices * cfg.cluster.num_nodes,
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.dp_shard,
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.cp,
+    )
+
+
+def check_config(cfg: TrainConfig) -> ParallelDims:
+    """Every check that can be made before processes start; each failure is one line with the value and the fix."""
+    from lightning_dist.data import TokenDataModule
+    from lightning_dist.data.config import validate_data_config
+
+    cfg.model.validate()
+    par, cluster = cfg.parallelism, cfg.cluster
+    if par.strategy not in _SUPPORTED:
+        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_SUPPORTED)}.")
+    _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    dims = build_parallel_dims(cfg)
+    if par.strategy in ("ddp", "fsdp"):
+        extra = {axis: getattr(dims, axis) for axis in ("tp", "pp") if getattr(dims, axis) > 1}
+        if par.strategy == "ddp" and dims.dp_shard > 1:
+            extra["dp_shard"] = dims.dp_shard
+        if extra:
+            bad = " ".join(f"parallelism.{k}={v}" for k, v in extra.items())
+            raise ValueError(
+                f"{bad} is not possible with parallelism={par.strategy}, which does {_SUPPORTED[par.strategy]} "
+                "only; use parallelism=tp or tp_fsdp for tensor parallelism, parallelism=pp or 3d for pipelines."
+            )
+    if par.strategy == "tensor_parallel" and dims.pp > 1:
+        raise ValueError(
+            f"parallelism.pp={dims.pp} with the tensor_parallel strategy: pipelines need parallelism=pp or "
+            "parallelism=3d (PipelineParallelStrategy)."
+        )
+    TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size)
+    if cfg.data.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}; "
+            f"set model.vocab_size>={cfg.data.vocab_size}."
+        )
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            f"lower data.seq_len or raise model.max_seq_len."
+        )
+    validate_data_config(cfg.data)
+    TokenDataModule(cfg.data, seed=cfg.seed).setup()  # missing / empty files fail here, before any rank starts
+    if par.strategy in ("tensor_parallel", "pipeline_parallel"):
+        from lightning_dist.strategies import check_layout
+
+        check_layout(cfg, dims)
+    return dims
+
+
+def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
+    if devices < 1:
+        raise ValueError(f"cluster.devices={devices} must be >= 1.")
+    if num_nodes > 1 and not _launched_externally():
+        raise ValueError(
+            f"cluster.num_nodes={num_nodes}: a multi-node job is started once per node by torchrun or SLURM "
+            "(e.g. torchrun --nnodes=N --nproc-per-node=8 -m lightning_dist.train ...); run it that way."
+        )
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_count() > 0):
+        available = _cuda_count()
+        if devices > available:
+            raise ValueError(
+                f"cluster.devices={devices} but {available} CUDA device(s) are visible; "
+                f"use cluster.devices<={available} or cluster=local_cpu."
+            )
+    elif accelerator == "cpu":
+        available = os.cpu_count() or 1
+        if devices > available:
+            raise ValueError(
+                f"cluster.devices={devices} CPU processes but this machine has {available} cores; "
+                f"use cluster.devices<={available}."
+            )
+    else:
+        raise ValueError(f"cluster.accelerator={accelerator!r} is unknown; use cpu, gpu or auto.")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _launched_externally() -> bool:
+    from lightning_dist.launch import launched_externally
+
+    return launched_externally()
+
+
+# ------------------------------------------------------------------------------------------------------- one rank
+def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
+    """Train on this rank with Lightning's ``Trainer.fit``; returns a summary (rank 0's is printed)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dist.data import build_datamodule
+    from lightning_dist.models.module import GPTModule
+    from lightning_dist.telemetry import LossHistory
+
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    out_dir = Path(cfg.output_dir)
+    dims = build_parallel_dims(cfg)
+    datamodule = build_datamodule(cfg.data, cfg.seed)
+    module = GPTModule(cfg.model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed)
+    logger = build_logger(cfg.logger, out_dir, cfg)
+    history = LossHistory()
+    checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
+    all_callbacks = [history, *callbacks]
+    if cfg.trainer.enable_checkpointing:
+        all_callbacks.append(checkpoint)
+    trainer = pl.Trainer(
+        accelerator=cfg.cluster.accelerator,
+        devices=cfg.cluster.devices,
+        num_nodes=cfg.cluster.num_nodes,
+        strategy=build_strategy(cfg, dims),
+        precision=cfg.cluster.precision,
+        max_steps=cfg.trainer.max_steps,
+        val_check_interval=cfg.trainer.val_check_interval,
+        check_val_every_n_epoch=None,  # val_check_interval counts steps across epochs
+        limit_val_batches=cfg.trainer.limit_val_batches,
+        num_sanity_val_steps=cfg.trainer.num_sanity_val_steps,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        enable_checkpointing=cfg.trainer.enable_checkpointing,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+        logger=logger,
+        callbacks=all_callbacks,
+        use_distributed_sampler=False,  # the datamodule samples by data-parallel rank, not by global rank
+        default_root_dir=out_dir,
+    )
+    ckpt_path = cfg.ckpt_path
+    if ckpt_path == "last":
+        ckpt_path = str(out_dir / "checkpoints" / "last.ckpt")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = trainer.callback_metrics
+    result = {
+        "output_dir": str(out_dir),
+        "layout": f"{cfg.parallelism.strategy}: {dims.describe()}",
+        "steps": trainer.global_step,
+        "train_loss": float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
+        "val_loss": float(metrics["val/loss"]) if "val/loss" in metrics else None,
+        "loss_floor": datamodule.loss_floor,
+        "history": history.records,
+        "checkpoint": checkpoint.last_model_path or None,
+        "wandb_dir": _finish_wandb(logger),
+        "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
+    }
+    return result
+
+
+def build_strategy(cfg: TrainConfig, dims: ParallelDims):
+    """The Lightning strategy for ``cfg.parallelism.strategy``."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    backend = cfg.cluster.process_group_backend
+    timeout = timedelta(minutes=10)
+    name = cfg.parallelism.strategy
+    if name == "ddp":
+        return DDPStrategy(process_group_backend=backend, timeout=timeout)
+    from lightning_dist.strategies import build_model_parallel_strategy
+
+    if name == "fsdp":
+        # torch's FSDP2 (fully_shard) through our mesh strategy with tp=1: Lightning's FSDPStrategy wraps the
+        # older FSDP1 and refuses to run on CPU.
+        from lightning_dist.strategies import TensorParallelStrategy
+
+        return TensorParallelStrategy(
+            tp=1, dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate, process_group_backend=backend, timeout=timeout
+        )
+
+    return build_model_parallel_strategy(cfg.parallelism, dims, backend=backend, timeout=timeout)
+
+
+def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig):
+    """Lightning's own WandbLogger / CSVLogger, or ``False`` for none."""
+    from dataclasses import asdict
+
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    if cfg.kind == "none":
+        return False
+    if cfg.kind == "csv":
+        return CSVLogger(save_dir=out_dir, name="csv", version="")
+    if cfg.kind == "wandb":
+        kwargs: dict[str, Any] = {}
+        if wandb_offline_by_default():
+            kwargs["offline"] = True
+        name = cfg.name or f"{run_cfg.parallelism.strategy}-{out_dir.name}"
+        return WandbLogger(
+            project=cfg.project, name=name, save_dir=str(out_dir), tags=list(cfg.tags), config=asdict(run_cfg), **kwargs
+        )
+    raise ValueError(f"logger.kind={cfg.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
+
+
+def wandb_offline_by_default() -> bool:
+    """Offline unless the user configured W&B: ``WANDB_MODE`` (respected as is) or an API key (env or netrc)."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return False
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+
+
+def _finish_wandb(logger) -> str | None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    if not isinstance(logger, WandbLogger) or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    import wandb
+
+    run_dir = Path(logger.experiment.dir).parent  # .../wandb/offline-run-<id>/files -> the run folder
+    wandb.finish()
+    return str(run_dir)

@@ -1,0 +1,151 @@
+"""Typed schema of a training run, registered in Hydra's ConfigStore.
+
+Each group of ``conf/`` (model, data, parallelism, cluster, trainer, logger) is validated against one dataclass
+here, so an unknown key or a wrong type fails at composition with Hydra's own message. The string under each
+field is its help text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from lightning_dist.data.config import DataConfig
+from lightning_dist.models.gpt import GPTConfig
+
+
+@dataclass
+class ParallelismConfig:
+    """How the job is laid out over devices; degrees follow :class:`~lightning_dist.ParallelDims`."""
+
+    strategy: str = "ddp"
+    """Strategy name: ddp, fsdp, tensor_parallel or pipeline_parallel."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (gradients all-reduced); -1 = the rest of the world size."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP2, parameters sharded); -1 = the rest of the world size."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    cp: int = 1
+    """Context-parallel degree: reserved, must be 1."""
+    sequence_parallel: bool = True
+    """Tensor parallel: shard norms and residuals along the sequence dim."""
+    loss_parallel: bool = True
+    """Tensor parallel: compute the cross-entropy on vocab-sharded logits (no all-gather of logits)."""
+    schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble."""
+    microbatches: int | None = None
+    """Pipeline microbatches per step; None = pp x stages_per_rank."""
+    stages_per_rank: int = 1
+    """Pipeline: virtual stages per rank (2 or more for interleaved / looped schedules)."""
+    split_points: list[str] | None = None
+    """Pipeline: module names that start a new stage (e.g. [layers.2]); None = balanced automatic split."""
+
+
+@dataclass
+class ClusterConfig:
+    """The hardware the job runs on."""
+
+    accelerator: str = "cpu"
+    """Lightning accelerator: cpu, gpu or auto."""
+    devices: int = 2
+    """Processes (devices) per node."""
+    num_nodes: int = 1
+    """Number of nodes; above 1, start the job with torchrun or SLURM (one launch per node)."""
+    precision: str = "32-true"
+    """Lightning precision: 32-true, 64-true, bf16-mixed, bf16-true."""
+    process_group_backend: str | None = None
+    """torch.distributed backend; None = gloo on CPU, nccl on CUDA."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; None = looked up from the GPU name (omitted on CPU)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr, reached at trainer.max_steps."""
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of Lightning's Trainer that a run sets."""
+
+    max_steps: int = 300
+    """Optimizer steps to train for."""
+    val_check_interval: int = 100
+    """Validate every this many training steps."""
+    limit_val_batches: int = 8
+    """Validation batches per validation run."""
+    num_sanity_val_steps: int = 1
+    """Validation batches run before training as a sanity check."""
+    log_every_n_steps: int = 10
+    """Log metrics (and telemetry) every this many steps."""
+    gradient_clip_val: float | None = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    enable_checkpointing: bool = True
+    """Save a checkpoint at the end of training (ModelCheckpoint, last.ckpt)."""
+    enable_progress_bar: bool = False
+    """Show Lightning's progress bar (off by default: logs read better in files and CI)."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go."""
+
+    kind: str = "wandb"
+    """wandb, csv or none."""
+    project: str = "lightning-dist"
+    """W&B project."""
+    name: str | None = None
+    """Run name; None = derived from the model, layout and time."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run. Compose from ``conf/train.yaml``; override any field on the command line."""
+
+    model: GPTConfig = MISSING
+    data: DataConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 1234
+    """Seed for initialization, data order and dropout; same seed + global batch = same run on any layout."""
+    ckpt_path: str | None = None
+    """Resume from this checkpoint (file or sharded directory); 'last' = the newest in this run directory."""
+    output_dir: str | None = None
+    """Where logs, checkpoints and W&B files go; None = Hydra's run directory."""
+
+
+def register_configs() -> None:
+    """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(group="model", name="model_schema", node=GPTConfig)
+    store.store(group="data", name="data_schema", node=DataConfig)
+    store.store(group="parallelism", name="parallelism_schema", node=ParallelismConfig)
+    store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    store.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    store.store(group="logger", name="logger_schema", node=LoggerConfig)

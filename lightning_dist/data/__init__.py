@@ -1,0 +1,9 @@
+"""Data pipeline: synthetic Markov chain, byte-level text and token files, sharded by data-parallel rank."""
+
+from __future__ import annotations
+
+from lightning_dist.data.config import DataConfig
+from lightning_dist.data.datamodule import TokenDataModule, build_datamodule
+from lightning_dist.data.synthetic import MarkovChain
+
+__all__ = ["DataConfig", "MarkovChain", "TokenDataModule", "build_datamodule"]

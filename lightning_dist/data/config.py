@@ -1,0 +1,79 @@
+"""Structured config for the data pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("synthetic", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclass
+class DataConfig:
+    """Hydra structured config selecting and sizing the training data."""
+
+    kind: str = "synthetic"
+    """Data source: "synthetic" (seeded Markov chain), "text" (byte-level files) or "tokens" (nanoGPT .bin)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step summed over all data-parallel ranks; the per-rank batch is derived."""
+    seq_len: int = 128
+    """Tokens per sample fed to the model; each sample holds seq_len+1 tokens, inputs = [:-1], targets = [1:]."""
+    vocab_size: int = 256
+    """synthetic: alphabet size; text: ignored (fixed 256 byte-level); tokens: vocabulary of the .bin files."""
+    path: str | None = None
+    """text: a file, a directory or a glob; tokens: a directory holding train.bin and val.bin."""
+    val_fraction: float = 0.1
+    """text: fraction of the concatenated bytes, taken at the tail, used for validation."""
+    token_dtype: str = "uint16"
+    """tokens: element type of the .bin files, uint16 or uint32."""
+    branching: int = 4
+    """synthetic: number of distinct successors per token in the Markov chain."""
+    num_train_samples: int = 16384
+    """synthetic: number of training samples."""
+    num_val_samples: int = 512
+    """synthetic: number of validation samples."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    seed: int | None = None
+    """Seed for data generation and shuffling; None = the run's seed."""
+
+
+def validate_data_config(cfg: Any) -> None:
+    """Checks field values of a DataConfig (or an equivalent DictConfig).
+
+    Args:
+        cfg: The data config.
+
+    Raises:
+        ValueError: If a field holds an unsupported value.
+    """
+    if cfg.kind not in KINDS:
+        raise ValueError(f"data.kind={cfg.kind!r} is unknown; use one of {', '.join(KINDS)}")
+    if cfg.global_batch_size < 1:
+        raise ValueError(f"data.global_batch_size={cfg.global_batch_size} must be >= 1; pass a positive batch size")
+    if cfg.seq_len < 1:
+        raise ValueError(f"data.seq_len={cfg.seq_len} must be >= 1; pass a positive sequence length")
+    if cfg.num_workers < 0:
+        raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0; pass 0 to load in the main process")
+    if cfg.kind == "synthetic":
+        if cfg.vocab_size < 2:
+            raise ValueError(f"data.vocab_size={cfg.vocab_size} must be >= 2 for synthetic data; pass a larger vocab")
+        if not 1 <= cfg.branching <= cfg.vocab_size:
+            raise ValueError(
+                f"data.branching={cfg.branching} must be in [1, data.vocab_size={cfg.vocab_size}]; lower data.branching"
+            )
+        if cfg.num_train_samples < 1 or cfg.num_val_samples < 1:
+            raise ValueError(
+                f"data.num_train_samples={cfg.num_train_samples} and data.num_val_samples={cfg.num_val_samples} "
+                "must be >= 1; pass positive sizes"
+            )
+    if cfg.kind == "text" and not 0.0 < cfg.val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1); pass e.g. data.val_fraction=0.1")
+    if cfg.kind == "tokens":
+        if cfg.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"data.token_dtype={cfg.token_dtype!r} is unsupported; use one of {', '.join(TOKEN_DTYPES)}"
+            )
+        if cfg.vocab_size < 1:
+            raise ValueError(f"data.vocab_size={cfg.vocab_size} must be >= 1; pass the tokenizer's vocabulary size")

@@ -1,0 +1,184 @@
+"""LightningDataModule that shards data by data-parallel rank only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_dist.data.config import DataConfig, validate_data_config
+from lightning_dist.data.files import TextDataset, TokenDataset
+from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
+
+_BYTE_VOCAB = 256
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """Serves ``(inputs, targets)`` LongTensor batches for next-token prediction.
+
+    Sharding uses the data-parallel coordinate only (``trainer.strategy.distributed_sampler_kwargs``), so
+    tensor/pipeline-parallel peers that share it receive identical batches. The Trainer must be built with
+    ``use_distributed_sampler=False``; this module builds its own ``DistributedSampler``. Lightning's fit loop
+    calls ``set_epoch`` on the train dataloader's sampler at the start of every epoch
+    (``_set_sampler_epoch`` in ``FitLoop.on_advance_start``), which reshuffles each epoch.
+
+    DP equivalence: with the same seed, the union of the samples the N data-parallel ranks see at optimizer step
+    k equals the samples a single process (batch = global_batch_size) sees at step k. All N samplers share one
+    permutation ``perm`` of the dataset; rank r takes ``perm[r::N]``, so its k-th batch of ``b = G / N`` items
+    holds positions ``k*G + r + N*j`` (j < b), which together are exactly ``perm[k*G:(k+1)*G]``. With drop_last
+    on both the sampler and the loader, every N yields ``len // G`` full steps per epoch (the partial tail
+    step is dropped), so no truncation of the dataset is needed.
+    """
+
+    def __init__(self, cfg: DataConfig, seed: int = 0) -> None:
+        """Validates the config; datasets are built lazily in ``setup``.
+
+        Args:
+            cfg: Data config (a DataConfig or an equivalent DictConfig).
+            seed: The run's seed, used when ``cfg.seed`` is None.
+        """
+        super().__init__()
+        validate_data_config(cfg)
+        self.cfg = cfg
+        self.seed = int(cfg.seed if cfg.seed is not None else seed)
+        if self.seed < 0:
+            raise ValueError(f"data seed {self.seed} must be >= 0; pass a non-negative seed (data.seed=...)")
+        self._chain: MarkovChain | None = None
+        self._datasets: dict[str, Dataset] = {}
+
+    @staticmethod
+    def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
+        """Derives the per-rank batch size.
+
+        Args:
+            global_batch_size: Samples per optimizer step over all data-parallel ranks.
+            num_replicas: Data-parallel world size.
+
+        Returns:
+            ``global_batch_size // num_replicas``.
+
+        Raises:
+            ValueError: If ``global_batch_size`` is not a positive multiple of ``num_replicas``.
+        """
+        if num_replicas < 1:
+            raise ValueError(f"data-parallel size {num_replicas} must be >= 1; check the strategy's parallel sizes")
+        if global_batch_size < num_replicas or global_batch_size % num_replicas:
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
+                f"{num_replicas}; set data.global_batch_size to a multiple of {num_replicas}"
+            )
+        return global_batch_size // num_replicas
+
+    @property
+    def chain(self) -> MarkovChain | None:
+        """The synthetic Markov chain (built on first use), or None for file data."""
+        if self.cfg.kind != "synthetic":
+            return None
+        if self._chain is None:
+            self._chain = MarkovChain(self.cfg.vocab_size, self.cfg.branching, self.seed)
+        return self._chain
+
+    @property
+    def loss_floor(self) -> float | None:
+        """Best achievable next-token cross-entropy in nats (synthetic: the entropy rate), else None."""
+        chain = self.chain
+        return chain.entropy_rate() if chain is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size the model must embed (256 for byte-level text)."""
+        return _BYTE_VOCAB if self.cfg.kind == "text" else int(self.cfg.vocab_size)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Builds the train and val datasets once; later calls reuse them."""
+        if self._datasets:
+            return
+        cfg = self.cfg
+        if cfg.kind == "synthetic":
+            chain = self.chain
+            assert chain is not None  # kind checked above; internal invariant
+            self._datasets = {
+                "train": SyntheticDataset(chain, cfg.num_train_samples, cfg.seq_len, "train", self.seed),
+                "val": SyntheticDataset(chain, cfg.num_val_samples, cfg.seq_len, "val", self.seed),
+            }
+        elif cfg.kind == "text":
+            self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
+        else:
+            self._datasets = {s: TokenDataset(cfg.path, s, cfg.seq_len, cfg.token_dtype) for s in ("train", "val")}
+
+    def dataset(self, split: str) -> Dataset:
+        """Returns the cached dataset of ``split`` ("train" or "val"), building datasets if needed."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r} is unknown; use 'train' or 'val'")
+        self.setup()
+        return self._datasets[split]
+
+    def data_parallel_info(self) -> tuple[int, int]:
+        """Returns ``(num_replicas, rank)`` of the data-parallel group; ``(1, 0)`` without a parallel strategy."""
+        strategy = getattr(self.trainer, "strategy", None)
+        kwargs: dict[str, Any] | None = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def build_dataloader(self, split: str, num_replicas: int, rank: int) -> DataLoader:
+        """Builds the loader of ``split`` for one data-parallel rank.
+
+        Args:
+            split: "train" (shuffled, drop_last) or "val" (in order).
+            num_replicas: Data-parallel world size.
+            rank: This process's data-parallel rank.
+
+        Returns:
+            A DataLoader yielding per-rank batches of ``global_batch_size // num_replicas`` samples.
+        """
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"data-parallel rank {rank} is outside [0, {num_replicas}); check the strategy's sizes")
+        batch_size = self.per_rank_batch_size(self.cfg.global_batch_size, num_replicas)
+        dataset = self.dataset(split)
+        train = split == "train"
+        if train and len(dataset) < self.cfg.global_batch_size:
+            raise ValueError(
+                f"train split has {len(dataset)} samples, fewer than data.global_batch_size="
+                f"{self.cfg.global_batch_size}, so no optimizer step fits; use more data or a smaller batch"
+            )
+        if not train and len(dataset) < num_replicas:
+            raise ValueError(
+                f"val split has {len(dataset)} samples, fewer than the data-parallel size {num_replicas}; "
+                "use more validation data"
+            )
+        # drop_last on the sampler keeps every rank at the same number of samples (no padded duplicates).
+        sampler = DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=True
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=train,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=self.cfg.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Returns this data-parallel rank's shuffled train loader."""
+        return self.build_dataloader("train", *self.data_parallel_info())
+
+    def val_dataloader(self) -> DataLoader:
+        """Returns this data-parallel rank's in-order val loader."""
+        return self.build_dataloader("val", *self.data_parallel_info())
+
+
+def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:
+    """Builds the data module for ``cfg``.
+
+    Args:
+        cfg: Data config.
+        seed: The run's seed (used when ``cfg.seed`` is None).
+
+    Returns:
+        A TokenDataModule.
+    """
+    return TokenDataModule(cfg, seed=seed)

@@ -1,0 +1,111 @@
+"""Start the ranks of a single-node job ourselves and collect what each returns.
+
+Lightning's own launcher re-runs the script (``sys.argv``) once per rank, which breaks Hydra multiruns: every
+re-run starts the whole sweep again. Here the Hydra job (or a test) calls :func:`launch` with a picklable function;
+each rank is a fresh ``spawn``-ed process with the torchrun-style environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) so Lightning sees processes created externally and does not
+launch again. When a rank fails or dies, the others are terminated and :class:`RankFailedError` says which rank
+and why: a dead rank never leaves the job hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+#: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
+_EXTERNAL_LAUNCH_VARS = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; ``message`` is the one-line reason and ``details`` the rank's traceback."""
+
+    def __init__(self, rank: int, message: str, details: str = "") -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.message = message
+        self.details = details
+
+
+def launched_externally() -> bool:
+    """True when this process is already one rank of a launched job (ours, torchrun or SLURM)."""
+    return any(var in os.environ for var in _EXTERNAL_LAUNCH_VARS)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: int | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` spawned ranks of one node and return each rank's result, by rank.
+
+    Args:
+        fn: A picklable (module-level) function. Its return value must be picklable.
+        nprocs: Number of ranks to start. ``1`` still starts a separate process, so a single-rank run is
+            isolated exactly like a multi-rank one.
+        *args: Passed to ``fn`` on every rank.
+        threads_per_rank: CPU threads per rank; default shares the machine's cores evenly.
+
+    Raises:
+        RankFailedError: The first rank that raised or died, with its one-line reason.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be >= 1.")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nprocs),
+        "NODE_RANK": "0",
+    }
+    with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
+        results = Path(tmp)
+        try:
+            mp.start_processes(
+                _run_rank, args=(fn, args, env, threads, results), nprocs=nprocs, start_method="spawn", join=True
+            )
+        except mp.ProcessRaisedException as err:
+            raise _failure(results, err.error_index, "raised an exception") from None
+        except mp.ProcessExitedException as err:
+            reason = (
+                f"died (exit code {err.exit_code})" if err.exit_code >= 0 else f"was killed by signal {-err.exit_code}"
+            )
+            raise _failure(results, err.error_index, reason) from None
+        return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
+
+
+def _run_rank(
+    local_rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], threads: int, results: Path
+) -> None:
+    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        result = fn(*args)
+    except BaseException as err:
+        record = {"message": f"{type(err).__name__}: {err}".splitlines()[0], "details": traceback.format_exc()}
+        (results / f"{local_rank}.err").write_bytes(pickle.dumps(record))
+        raise
+    (results / f"{local_rank}.out").write_bytes(pickle.dumps(result))
+
+
+def _failure(results: Path, rank: int, fallback: str) -> RankFailedError:
+    """Prefer the first rank whose own exception was recorded (others often fail only because it left)."""
+    recorded = sorted(results.glob("*.err"), key=lambda p: int(p.stem))
+    if recorded:
+        first = recorded[0]
+        record = pickle.loads(first.read_bytes())
+        return RankFailedError(int(first.stem), record["message"], record["details"])
+    return RankFailedError(rank, fallback)

@@ -1,0 +1,436 @@
+"""A reference decoder-only transformer (GPT), readable top to bottom. No distributed code.
+
+Two architectures share one set of module names:
+
+- ``arch="llama"``: RMSNorm, rotary position embeddings (RoPE), SwiGLU MLP, no biases, optional grouped-query
+  attention (``n_kv_heads < n_heads``).
+- ``arch="gpt2"``: LayerNorm with bias, learned absolute position embedding, GELU MLP, biases everywhere except
+  the output head.
+
+The module names are a contract that the tensor-parallel plan and the pipeline splitter rely on
+(see ``gpt_parallel.py``)::
+
+    GPT
+    ├── tok_emb            nn.Embedding(vocab_size, d_model)
+    ├── pos_emb            nn.Embedding(max_seq_len, d_model)   (gpt2 only, else None)
+    ├── layers             nn.ModuleDict {"0": Block, ..., "L-1": Block}
+    │   └── Block
+    │       ├── attn_norm  RMSNorm | LayerNorm
+    │       ├── attn       Attention: q_proj, k_proj, v_proj, o_proj
+    │       ├── mlp_norm   RMSNorm | LayerNorm
+    │       └── mlp        MLP: gate_proj (llama only), up_proj, down_proj
+    ├── norm               RMSNorm | LayerNorm
+    └── head               nn.Linear(d_model, vocab_size, bias=False)
+
+Shapes in comments: B batch, T sequence length, C ``d_model``, H query heads, K key/value heads, D ``head_dim``,
+F the MLP hidden size, V ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ARCHS = ("llama", "gpt2")
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the GPT. Defaults are a tiny model that trains on a laptop CPU."""
+
+    arch: str = "llama"
+    """llama (RMSNorm, RoPE, SwiGLU, no biases) or gpt2 (LayerNorm, learned positions, GELU MLP, biases)."""
+    vocab_size: int = 256
+    """Number of token ids the embedding and the output head cover."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    d_model: int = 64
+    """Width of the residual stream (hidden size)."""
+    n_heads: int = 4
+    """Number of attention (query) heads; must divide d_model."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads; None = n_heads; fewer = grouped-query attention (must divide n_heads)."""
+    ffn_hidden: int | None = None
+    """MLP hidden size; None = llama: 8/3*d_model rounded up to multiple_of, gpt2: 4*d_model."""
+    multiple_of: int = 32
+    """The default llama MLP hidden size is rounded up to a multiple of this."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of the RoPE tables / position embedding)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama only); Llama 3 uses 500000."""
+    norm_eps: float = 1e-5
+    """Epsilon of the RMSNorm / LayerNorm denominators."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization (output projections are scaled by 1/sqrt(2*n_layers))."""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads, resolved (``n_kv_heads`` or ``n_heads``)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """MLP hidden size, resolved from ``ffn_hidden`` or the architecture's default."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.arch == "gpt2":
+            return 4 * self.d_model
+        hidden = int(8 / 3 * self.d_model)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def validate(self) -> None:
+        """Raise a one-line ``ValueError`` naming the bad value and a fix."""
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} is unknown; use one of {list(ARCHS)}.")
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"model.{name}={value} must be a positive integer.")
+        if self.d_model % self.n_heads:
+            divisors = [d for d in range(1, min(self.d_model, 64) + 1) if self.d_model % d == 0]
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}; "
+                f"pick a divisor such as {' or '.join(map(str, divisors[-2:]))}."
+            )
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(
+                f"model.d_model={self.d_model} / model.n_heads={self.n_heads} = head_dim {self.head_dim} is odd; "
+                "RoPE needs an even head_dim: change d_model or n_heads."
+            )
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            divisors = [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}; "
+                f"use one of {divisors} (or null for n_heads)."
+            )
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            raise ValueError(f"model.ffn_hidden={self.ffn_hidden} must be positive; set it to null for the default.")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be positive, e.g. 10000.0 or 500000.0.")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5.")
+        if self.init_std <= 0:
+            raise ValueError(f"model.init_std={self.init_std} must be positive, e.g. 0.02.")
+
+
+# ----------------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (no mean subtraction, no bias), computed in float32.
+
+    Args:
+        dim: Size of the last dimension.
+        eps: Added to the mean square before the square root.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """Set the scale to one."""
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # (B, T, C)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).type_as(x)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """The architecture's normalization layer over ``d_model``."""
+    if cfg.arch == "gpt2":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Cosine and sine of the rotary angles, in float32.
+
+    Position ``t`` rotates the pair ``(x[i], x[i + D/2])`` by the angle ``t * theta ** (-2i / D)``.
+
+    Args:
+        head_dim: Width D of one head (even).
+        max_seq_len: Number of positions.
+        theta: Base frequency.
+        device: Where to build the tables (None = the current default device).
+
+    Returns:
+        ``(cos, sin)``, each of shape (max_seq_len, head_dim // 2).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (D/2,)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)  # (T_max,)
+    angles = torch.outer(positions, inv_freq)  # (T_max, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first and second halves of each head of ``x`` by the position's angles (positions 0..T-1).
+
+    Real-valued (no complex tensors, so the tables can be broadcast by any backend).
+
+    Args:
+        x: Queries or keys, shape (B, T, heads, D).
+        cos: Cosine table, shape (>= T, D/2).
+        sin: Sine table, shape (>= T, D/2).
+
+    Returns:
+        The rotated tensor, same shape and dtype as ``x``.
+    """
+    T = x.shape[1]
+    if cos.shape[0] < T:
+        raise ValueError(f"sequence length {T} exceeds model.max_seq_len={cos.shape[0]}; raise model.max_seq_len.")
+    cos = cos[:T].to(x.dtype)[None, :, None, :]  # (1, T, 1, D/2)
+    sin = sin[:T].to(x.dtype)[None, :, None, :]  # (1, T, 1, D/2)
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, heads, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, heads, D)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with optional grouped-query attention and RoPE.
+
+    Head counts are read from the projected tensors at run time, so a column-sharded ``q_proj`` / ``k_proj`` /
+    ``v_proj`` (whole heads per rank, as tensor parallelism does) works unchanged.
+
+    Args:
+        cfg: Model configuration.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        bias = cfg.arch == "gpt2"
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+
+    def forward(self, x: Tensor, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None) -> Tensor:
+        """Attend over the sequence.
+
+        Args:
+            x: Normalized hidden states, shape (B, T, C).
+            rope_cos: RoPE cosine table (T_max, D/2), or None for no rotation (gpt2).
+            rope_sin: RoPE sine table (T_max, D/2), or None.
+
+        Returns:
+            Shape (B, T, C).
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        if rope_cos is not None and rope_sin is not None:
+            q = apply_rope(q, rope_cos, rope_sin)
+            k = apply_rope(k, rope_cos, rope_sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        groups = q.shape[1] // k.shape[1]  # query heads per key/value head
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+            v = v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Feed-forward sub-layer: SwiGLU ``down(silu(gate(x)) * up(x))`` for llama, ``down(gelu(up(x)))`` for gpt2.
+
+    Args:
+        cfg: Model configuration.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.arch == "llama"
+        bias = not self.swiglu
+        if self.swiglu:
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")  # (B, T, F)
+        return self.down_proj(h)  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        cfg: Model configuration.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin)  # (B, T, C)
+        x = x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        return x
+
+
+# -------------------------------------------------------------------------------------------------------- GPT
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    A pipeline stage is this model with some entries of ``layers`` deleted and, outside the first stage,
+    ``tok_emb`` / ``pos_emb`` set to None (the stage then takes hidden states), and outside the last stage
+    ``norm`` / ``head`` set to None (the stage then returns hidden states).
+
+    Args:
+        config: Model configuration (validated here).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_emb: nn.Embedding | None = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb: nn.Embedding | None = None
+        if config.arch == "gpt2":
+            self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm: nn.Module | None = make_norm(config)
+        self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
+
+        # RoPE tables: derived values, not state (non-persistent: not in checkpoints, recomputed after to_empty).
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.reset_rope_buffers()
+
+        if not next(self.parameters()).is_meta:
+            self.init_weights(0)
+
+    def tie_weights(self) -> None:
+        """Make ``head.weight`` the token embedding's matrix when ``tie_embeddings`` is set and both exist."""
+        if self.config.tie_embeddings and self.tok_emb is not None and self.head is not None:
+            self.head.weight = self.tok_emb.weight  # also re-ties after to_empty, which gives each its own tensor
+
+    def reset_rope_buffers(self) -> None:
+        """(Re)compute the RoPE tables in float32 on the buffers' device (llama only).
+
+        Called from ``__init__`` and from :meth:`init_weights`, so a model built on the meta device and then
+        materialized with ``to_empty`` gets real tables again.
+        """
+        if self.config.arch != "llama":
+            return
+        device = self.rope_cos.device if self.rope_cos is not None else None
+        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin  # (T_max, D/2) each
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter deterministically from ``seed`` and its name.
+
+        Each parameter gets its own CPU generator seeded with ``zlib.crc32(f"{seed}:{name}")``, draws in float32
+        on the CPU, and is copied into place. So the values depend only on (seed, name, shape): a whole model, a
+        pipeline stage built alone and a model materialized from the meta device agree for every name they share,
+        whatever the dtype or device. Weights are ``N(0, init_std)``; ``o_proj`` / ``down_proj`` weights use
+        ``init_std / sqrt(2 * n_layers)`` (GPT-2); norm scales are one and biases zero. With tied embeddings a
+        stage holding only ``head`` draws it under the name ``tok_emb.weight``, like the whole model does.
+
+        Args:
+            seed: Base seed.
+        """
+        self.tie_weights()
+        self.reset_rope_buffers()
+        cfg = self.config
+        for name, param in self.named_parameters():
+            module_name, _, param_name = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, (RMSNorm, nn.LayerNorm)) and param_name == "weight":
+                value = torch.ones(param.shape)
+            elif param_name == "bias":
+                value = torch.zeros(param.shape)
+            else:
+                std = cfg.init_std
+                if module_name.endswith(("o_proj", "down_proj")):
+                    std = std / math.sqrt(2 * cfg.n_layers)
+                key = "tok_emb.weight" if cfg.tie_embeddings and name == "head.weight" else name
+                generator = torch.Generator(device="cpu")
+                # One string hashed: the CPU generator keeps only 32 bits of its seed.
+                generator.manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+                value = torch.nn.init.normal_(torch.empty(param.shape), 0.0, std, generator=generator)
+            param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Run the (remaining) model.
+
+        Args:
+            x: Token ids (B, T) long when ``tok_emb`` is present, else hidden states (B, T, C).
+
+        Returns:
+            Logits (B, T, V) when ``head`` is present, else hidden states (B, T, C).
+        """
+        T = x.shape[1]
+        if self.config.max_seq_len < T:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}.")
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=x.device))  # (B, T, C)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)  # (B, T, C)
+        if self.norm is not None:
+            x = self.norm(x)  # (B, T, C)
+        if self.head is not None:
+            x = self.head(x)  # (B, T, V)
+        return x
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Number of parameters held by this module (a shared tensor is counted once).
+
+        Args:
+            exclude_embedding: Leave out the token and position embeddings. With tied embeddings the shared
+                matrix is kept, as it also serves as the output head (nanoGPT's convention).
+
+        Returns:
+            The parameter count.
+        """
+        skip: set[int] = set()
+        if exclude_embedding:
+            for emb in (self.tok_emb, self.pos_emb):
+                if emb is not None:
+                    skip.add(id(emb.weight))
+            if self.head is not None:
+                skip.discard(id(self.head.weight))
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), the PaLM / nanoGPT estimate.
+
+        ``6 * N + 12 * L * H * Q * T``: N non-embedding parameters (``num_params()``), L layers held, H heads,
+        Q head dim, T ``seq_len``. The second term is the attention score and value matmuls.
+
+        Args:
+            seq_len: Training sequence length T.
+
+        Returns:
+            FLOPs per token.
+        """
+        cfg = self.config
+        n = self.num_params(exclude_embedding=True)
+        return 6 * n + 12 * len(self.layers) * cfg.n_heads * cfg.head_dim * seq_len

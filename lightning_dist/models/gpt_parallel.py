@@ -1,0 +1,93 @@
+"""How the reference GPT is split: its tensor-parallel plan and its pipeline description.
+
+Kept next to ``gpt.py`` so the model file stays free of distributed code, and so a reader sees the model's
+module names and the plan that refers to them side by side.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lightning_dist.models.gpt import GPTConfig
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
+    """Raise a one-line ``ValueError`` when ``tp`` cannot split this model evenly."""
+    if tp == 1:
+        return
+    if cfg.arch != "llama":
+        raise ValueError(f"tp={tp} with model.arch={cfg.arch!r}: tensor parallelism supports arch=llama; set tp=1.")
+    if cfg.tie_embeddings:
+        raise ValueError(
+            f"tp={tp} with model.tie_embeddings=true is not supported yet; set model.tie_embeddings=false."
+        )
+    sizes = {
+        "model.n_heads": cfg.n_heads,
+        "model.n_kv_heads": cfg.kv_heads,
+        "the FFN hidden size (model.ffn_hidden)": cfg.hidden_dim,
+        "model.vocab_size": cfg.vocab_size,
+    }
+    if sequence_parallel and seq_len is not None:
+        sizes["data.seq_len (sequence parallelism shards it)"] = seq_len
+    for name, size in sizes.items():
+        if size % tp:
+            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise ValueError(f"tp={tp} does not divide {name}={size}; use a tp in {divisors[-6:]} or change the size.")
+
+
+def gpt_tensor_parallel_plan(
+    prefix: str, n_layers: int, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
+    """The Megatron-style plan for :class:`~lightning_dist.models.gpt.GPT` (llama arch), by module name.
+
+    Attention q/k/v and MLP gate/up are column-parallel (each rank owns whole heads / hidden units, so head
+    counts per rank follow from the sharded weights), o/down are row-parallel (one all-reduce, or a
+    reduce-scatter with sequence parallelism, per sub-layer). With sequence parallelism the norms and the
+    residual stream are sharded along the sequence dim. With loss parallelism the head's vocab-sharded logits
+    go straight into the cross-entropy (no all-gather of a (B, T, V) tensor).
+
+    Args:
+        prefix: Name of the GPT module inside the module being parallelized (``"model."`` for GPTModule).
+        n_layers: Number of blocks (unused blocks of a pipeline stage are skipped by the caller).
+        sequence_parallel: Shard norms and residuals along the sequence.
+        loss_parallel: Keep logits vocab-sharded for a parallel cross-entropy.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        f"{prefix}tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        f"{prefix}head": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        plan[f"{prefix}norm"] = SequenceParallel()
+    block = f"{prefix}layers.*."
+    if sequence_parallel:
+        plan[f"{block}attn_norm"] = SequenceParallel()
+        plan[f"{block}mlp_norm"] = SequenceParallel()
+        # Gather the sequence before attention / MLP: they need every position (the rope tables stay local).
+        plan[f"{block}attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan[f"{block}mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan.update(
+        {
+            f"{block}attn.q_proj": ColwiseParallel(),
+            f"{block}attn.k_proj": ColwiseParallel(),
+            f"{block}attn.v_proj": ColwiseParallel(),
+            f"{block}attn.o_proj": RowwiseParallel(output_layouts=seq),
+            f"{block}mlp.gate_proj": ColwiseParallel(),
+            f"{block}mlp.up_proj": ColwiseParallel(),
+            f"{block}mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+    )
+    return plan

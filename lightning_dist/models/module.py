@@ -1,0 +1,132 @@
+"""The LightningModule that trains the reference GPT. No distributed code: strategies parallelize it from outside.
+
+Contract the strategies rely on (a user's own module can follow it too):
+
+- ``compute_loss(batch) -> loss``: forward + loss for one batch; ``training_step`` and ``validation_step`` call it.
+  Pipeline parallelism runs the same computation through a schedule instead (see ``pipeline_spec``).
+- ``pipeline_spec()``: which submodule is split into stages, its block container, and the pieces that belong to
+  the first / last stage (see :class:`lightning_dist.parallel.pipeline.PipelineSpec`).
+- ``tensor_parallel_plan()``: the model's tensor-parallel plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lightning_dist.config import OptimConfig
+from lightning_dist.models.gpt import GPT, GPTConfig
+
+
+class GPTModule(pl.LightningModule):
+    """Trains :class:`GPT` on (inputs, targets) token batches.
+
+    Args:
+        model: Architecture of the GPT.
+        optim: AdamW + warmup/cosine schedule settings.
+        max_steps: Length of the cosine schedule (the trainer's ``max_steps``).
+        init_seed: Seed of the per-parameter initialization (the same on every layout).
+    """
+
+    def __init__(self, model: GPTConfig, optim: OptimConfig, max_steps: int, init_seed: int = 0) -> None:
+        super().__init__()
+        self.model_config = model
+        self.optim_config = optim
+        self.max_steps = max_steps
+        self.init_seed = init_seed
+        self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
+        self.model: GPT | None = None
+        self.val_loss = MeanMetric()
+
+    # ------------------------------------------------------------------------------------------------- model
+    def configure_model(self) -> None:
+        """Build the model (on the meta device when the strategy asks for empty init; it materializes later)."""
+        if self.model is not None:
+            return
+        self.model = GPT(self.model_config)
+        if not next(self.model.parameters()).is_meta:
+            self.model.init_weights(self.init_seed)
+
+    def reset_parameters(self) -> None:
+        """Re-initialize after a strategy materialized the model from the meta device."""
+        self.model.init_weights(self.init_seed)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
+
+    @staticmethod
+    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in float32. ``logits`` (B, T, V), ``targets`` (B, T)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    def compute_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
+    # -------------------------------------------------------------------------------------------- lightning
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.compute_loss(batch)
+        # sync_dist: the logged value is the global-batch loss whatever the layout.
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self.compute_loss(batch)
+        self.val_loss.update(loss.detach(), weight=batch[0].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss.compute()  # torchmetrics syncs across ranks
+        self.val_loss.reset()
+        self.log("val/loss", val_loss)
+        self.log("val/ppl", torch.exp(val_loss))
+
+    # ------------------------------------------------------------------------------- parallelism contract
+    def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
+        """The GPT's tensor-parallel plan, by module name relative to this module."""
+        from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
+
+        return gpt_tensor_parallel_plan("model.", self.model_config.n_layers, sequence_parallel, loss_parallel)
+
+    def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
+        """Raise before sharding when ``tp`` cannot split this model."""
+        from lightning_dist.models.gpt_parallel import check_tensor_parallel
+
+        check_tensor_parallel(self.model_config, tp, None, sequence_parallel)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        cfg = self.optim_config
+        # Weight decay on matrices only: norms, biases and embeddings are left alone (GPT-2 / Llama practice).
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (decay if param.ndim >= 2 and "emb" not in name else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            foreach=True,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, self.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(cfg: OptimConfig, max_steps: int):
+    """LR multiplier: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

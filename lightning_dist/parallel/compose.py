@@ -1,0 +1,64 @@
+"""The fixed order in which parallelisms are applied to a model. Each step's position is a constraint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_dist.parallel.data import apply_fsdp
+from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+from lightning_dist.parallel_dims import ParallelDims
+
+
+def parallelize(
+    module: nn.Module,
+    dims: ParallelDims,
+    *,
+    tp_plan: TensorParallelPlan | None = None,
+    fsdp_units: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> dict[str, str]:
+    """Apply tensor parallelism, then FSDP2 / replication, to ``module`` in place (a pipeline stage or a model).
+
+    Args:
+        module: The module to parallelize; plan patterns are relative to it.
+        dims: The layout; its mesh must be built.
+        tp_plan: Pattern -> style; required when ``dims.tp > 1``.
+        fsdp_units: Blocks wrapped as their own FSDP units (the rest is wrapped per top-level child).
+        param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
+        reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp`.
+
+    Returns:
+        Module name -> tensor-parallel style applied.
+    """
+    mesh = dims.mesh
+    applied: dict[str, str] = {}
+    # 1. Tensor parallelism first: it turns weights into DTensors on the tp axis, which FSDP2 then shards
+    #    further along dp (a 2-D DTensor). FSDP2 cannot be undone to let TP go second.
+    if dims.tp_enabled:
+        if not tp_plan:
+            raise ValueError(
+                f"tp={dims.tp} needs a tensor-parallel plan: pass plan= to the strategy or define "
+                "tensor_parallel_plan() on the LightningModule."
+            )
+        applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
+    # 2. (Activation checkpointing goes here: after TP so it wraps the parallelized blocks, before FSDP so
+    #    FSDP's all-gathers are re-issued for the recomputation.)
+    # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
+    # 4. FSDP2 / replication last, over the data-parallel axes.
+    if dims.dp_enabled:
+        unit_ids = {id(unit) for unit in fsdp_units}
+        roots = [
+            child for child in module.children() if id(child) not in unit_ids and any(True for _ in child.parameters())
+        ]
+        apply_fsdp(
+            fsdp_units,
+            roots,
+            mesh[dims.fsdp_mesh_axes],
+            param_dtype=param_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
+    return applied

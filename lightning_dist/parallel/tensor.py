@@ -1,0 +1,68 @@
+"""Tensor parallelism: apply a plan of torch ``ParallelStyle``s to module-name patterns.
+
+A plan maps patterns such as ``"layers.*.attn.q_proj"`` (``fnmatch`` on the full module name) to a
+``ParallelStyle`` or one of the strings ``"colwise"``, ``"rowwise"``, ``"sequence"``. Every pattern must match at
+least one module: a typo in a plan is an error, not a silently unsharded layer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+TensorParallelPlan = Mapping[str, "ParallelStyle | str"]
+
+_NAMED_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+
+
+def resolve_style(style: ParallelStyle | str) -> ParallelStyle:
+    """A ``ParallelStyle`` from a style or its short name."""
+    if isinstance(style, ParallelStyle):
+        return style
+    if isinstance(style, str) and style in _NAMED_STYLES:
+        return _NAMED_STYLES[style]()
+    raise ValueError(
+        f"tensor-parallel style {style!r} is unknown; use a torch ParallelStyle or one of {sorted(_NAMED_STYLES)}."
+    )
+
+
+def expand_plan(module: nn.Module, plan: TensorParallelPlan) -> dict[str, ParallelStyle]:
+    """Resolve every pattern of ``plan`` to concrete module names of ``module``, keeping the plan's order.
+
+    Raises:
+        ValueError: A pattern matches no module (the message lists a few real names to pick from).
+    """
+    names = [name for name, _ in module.named_modules() if name]
+    expanded: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not matches:
+            sample = ", ".join(names[:8])
+            raise ValueError(
+                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__}; "
+                f"fix the pattern (module names look like: {sample}, ...)."
+            )
+        for name in matches:
+            expanded[name] = resolve_style(style)
+    return expanded
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> dict[str, str]:
+    """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
+
+    Returns:
+        The concrete module names and the style applied to each (for logs and the layout table).
+    """
+    expanded = expand_plan(module, plan)
+    parallelize_module(module, tp_mesh, expanded)
+    return {name: type(style).__name__ for name, style in expanded.items()}

@@ -1,0 +1,173 @@
+"""ParallelDims: the single source of truth for the parallel layout.
+
+Degrees use the same names everywhere (config fields, Python arguments, mesh axes):
+
+- ``dp_replicate``: data-parallel replicas (DDP-style; gradients all-reduced).
+- ``dp_shard``: data-parallel shards (FSDP2; parameters sharded, all-gathered per use).
+- ``tp``: tensor parallel (DTensor; weights split inside a layer).
+- ``pp``: pipeline parallel (layers split into stages).
+- ``cp``: context parallel, reserved (must be 1).
+
+The device mesh is laid out ``(pp, dp_replicate, dp_shard, tp)``: ``tp`` is innermost so that a tensor-parallel
+group occupies neighbouring ranks (one node, the fastest links) and ``pp`` outermost (cheapest traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Mesh axis names, outermost first.
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of parallelism for a job of ``world_size`` processes.
+
+    Args:
+        world_size: Total number of processes.
+        dp_replicate: Data-parallel replica degree; ``-1`` takes what the other degrees leave.
+        dp_shard: Data-parallel shard (FSDP2) degree; ``-1`` takes what the other degrees leave.
+        tp: Tensor-parallel degree.
+        pp: Pipeline-parallel degree.
+        cp: Context-parallel degree (reserved, must be 1).
+
+    Raises:
+        ValueError: The degrees do not describe ``world_size`` processes; the message names the fix.
+    """
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1; set cluster.devices (and num_nodes) >= 1.")
+        if self.cp != 1:
+            raise ValueError(f"cp={self.cp}: context parallelism is reserved and not implemented yet; set cp=1.")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1; use {name}=1 to turn {name} off.")
+        for name in ("dp_replicate", "dp_shard"):
+            value = getattr(self, name)
+            if value == 0 or value < -1:
+                raise ValueError(f"{name}={value} must be >= 1, or -1 for 'the rest of the world size'.")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError(
+                "dp_replicate=-1 and dp_shard=-1: only one data-parallel degree can be 'the rest'; "
+                "set one of them to a number (usually dp_replicate=1)."
+            )
+        fixed = self.tp * self.pp * self.cp * max(self.dp_replicate, 1) * max(self.dp_shard, 1)
+        if -1 in (self.dp_replicate, self.dp_shard):
+            rest_name = "dp_replicate" if self.dp_replicate == -1 else "dp_shard"
+            if self.world_size % fixed != 0:
+                raise ValueError(
+                    f"{rest_name}=-1 cannot fill world_size={self.world_size}: the other degrees multiply to {fixed}, "
+                    f"which does not divide it; use a world size that is a multiple of {fixed} or change tp/pp."
+                )
+            setattr(self, rest_name, self.world_size // fixed)
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x pp={self.pp} = "
+                f"{product}, but world_size={self.world_size}; make the product equal the number of processes "
+                f"(or set dp_shard=-1 to take the rest)."
+            )
+
+    # ----------------------------------------------------------------------------------------------- degrees
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups (ranks that see different batches)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Degree of each mesh axis, outermost first."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that share one batch (``tp x pp``); throughput per device divides by this."""
+        return self.tp * self.pp
+
+    # ------------------------------------------------------------------------------- coordinates (no process group)
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Coordinate of ``rank`` on each mesh axis (row-major over ``(pp, dp_replicate, dp_shard, tp)``)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}.")
+        coords: dict[str, int] = {}
+        for axis in reversed(AXES):
+            degree = getattr(self, axis)
+            coords[axis] = rank % degree
+            rank //= degree
+        return {axis: coords[axis] for axis in AXES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of ``rank``: ranks with the same index must read the same batches."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+
+    def describe(self) -> str:
+        """One line such as ``dp_replicate=1 dp_shard=2 tp=2 pp=1 (world 4)``."""
+        parts = " ".join(f"{axis}={degree}" for axis, degree in self.degrees.items())
+        return f"{parts} (world {self.world_size})"
+
+    # ---------------------------------------------------------------------------------------------- device mesh
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build (once) the 4-D device mesh with axes ``AXES`` and a flattened ``dp`` axis.
+
+        Needs an initialized default process group. Axes of degree 1 are kept so that ``mesh["tp"]`` etc. always
+        exist; they cost nothing.
+        """
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from lightning_dist._compat import flatten_mesh
+
+            mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+            flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+            self._mesh = mesh
+        return self._mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh built by :meth:`build_mesh`."""
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.mesh was read before build_mesh(); the strategy builds it in setup.")
+        return self._mesh
+
+    @cached_property
+    def fsdp_mesh_axes(self) -> tuple[str, ...]:
+        """Axes FSDP2 shards over: ``dp_shard``, with ``dp_replicate`` in front for HSDP / pure replication."""
+        if self.dp_replicate > 1:
+            return ("dp_replicate", "dp_shard")
+        return ("dp_shard",)

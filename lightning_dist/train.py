@@ -1,0 +1,106 @@
+"""The Hydra training app: ``lightning-dist-train`` (or ``python -m lightning_dist.train``).
+
+One job = compose the config, check the layout, start the ranks ourselves (so Hydra multiruns work: see
+:mod:`lightning_dist.launch`), run Lightning's ``Trainer.fit`` on every rank, and print where things went.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_dist.config import TrainConfig, register_configs
+from lightning_dist.launch import RankFailedError, launch, launched_externally
+
+log = logging.getLogger("lightning_dist")
+
+register_configs()
+
+#: conf/ at the repository root (the package is installed in editable mode by `make install`).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def main() -> None:
+    """Console-script entry point; errors are one line on stderr and a non-zero exit."""
+    _hydra_main()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
+    train_cfg: TrainConfig = OmegaConf.to_object(cfg)
+    if train_cfg.output_dir is None:
+        train_cfg.output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        return run(train_cfg)
+    except (ValueError, FileNotFoundError, RankFailedError) as err:
+        _fail(err, Path(train_cfg.output_dir))
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Check ``cfg``, run it on ``cluster.devices`` local ranks (or in this rank under torchrun/SLURM), report."""
+    from lightning_dist.app import check_config, fit
+
+    check_config(cfg)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if launched_externally():
+        result = fit(cfg)
+    else:
+        result = launch(fit, cfg.cluster.devices, cfg)[0]
+    result["wall_time_s"] = time.perf_counter() - start
+    _print_summary(result)
+    return result
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    floor = result.get("loss_floor")
+    lines = [
+        f"run directory : {result['output_dir']}",
+        f"layout        : {result['layout']}",
+        f"steps         : {result['steps']} in {result['wall_time_s']:.1f} s",
+        f"train/loss    : {result['train_loss']:.4f}",
+        f"val/loss      : {result['val_loss']:.4f}" if result.get("val_loss") is not None else "val/loss      : -",
+    ]
+    if floor is not None:
+        lines.append(f"loss floor    : {floor:.4f} nats/token (entropy rate of the synthetic corpus)")
+    if result.get("checkpoint"):
+        lines.append(f"checkpoint    : {result['checkpoint']}")
+    if result.get("wandb_dir"):
+        lines.append(f"W&B run       : {result['wandb_dir']}  (upload later: wandb sync {result['wandb_dir']})")
+    if result.get("csv"):
+        lines.append(f"metrics.csv   : {result['csv']}")
+    print("\n".join(lines), flush=True)
+
+
+def _fail(err: Exception, out_dir: Path) -> None:
+    """One line on stderr; the full traceback, when there is one, goes to ``<run dir>/error.log``."""
+    message = str(err)
+    details = getattr(err, "details", "")
+    if details:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.log").write_text(details)
+        message += f"  (traceback: {out_dir / 'error.log'})"
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The run's config as a nested dict (what W&B and the checkpoint record)."""
+    return asdict(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared test helpers: compose the real config (forced onto CPU), run a layout, compare with one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_dist.config import TrainConfig, register_configs
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+#: A run small enough for a 2-core machine: 2-layer, 64-wide GPT, 8 x 32-token batches, no validation, no files.
+FAST = [
+    "logger=none",
+    "trainer.enable_checkpointing=false",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+    "trainer.max_steps=10",
+    "trainer.log_every_n_steps=1",
+    "data.global_batch_size=8",
+    "data.seq_len=32",
+    "data.num_train_samples=512",
+    "data.num_val_samples=64",
+    "model.max_seq_len=64",
+]
+
+
+def compose_config(overrides: list[str], output_dir: Path | str | None = None) -> TrainConfig:
+    """The typed config that ``lightning-dist-train <overrides>`` would run."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    train_cfg: TrainConfig = OmegaConf.to_object(cfg)
+    if output_dir is not None:
+        train_cfg.output_dir = str(output_dir)
+    return train_cfg
+
+
+def run_app(overrides: list[str], output_dir: Path) -> dict[str, Any]:
+    """Run the training app in-process (it spawns the ranks) and return rank 0's summary."""
+    from lightning_dist.train import run
+
+    return run(compose_config(overrides, output_dir))
+
+
+def losses(result: dict[str, Any], key: str = "train/loss") -> list[float]:
+    return [record[key] for record in result["history"]]
