@@ -191,6 +191,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
             return super().validation_step(*args, **kwargs)
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # The loss of a loss-parallel step is a replicated DTensor; Lightning's sync_dist reduces plain tensors.
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self._loss_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
