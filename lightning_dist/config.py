@@ -81,7 +81,9 @@ class OptimConfig:
     warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
     min_lr_ratio: float = 0.1
-    """Cosine decay floor as a fraction of lr, reached at trainer.max_steps."""
+    """Cosine decay floor as a fraction of lr, reached at decay_steps."""
+    decay_steps: int | None = None
+    """Length of the warmup + cosine schedule; None = trainer.max_steps (set it to stop a run early)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dist.data.config import DataConfig, validate_data_config
@@ -47,6 +47,7 @@ class TokenDataModule(pl.LightningDataModule):
             raise ValueError(f"data seed {self.seed} must be >= 0; pass a non-negative seed (data.seed=...)")
         self._chain: MarkovChain | None = None
         self._datasets: dict[str, Dataset] = {}
+        self._resume_step = 0  # optimizer steps already taken by the checkpoint this run resumes from
 
     @staticmethod
     def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -150,9 +151,12 @@ class TokenDataModule(pl.LightningDataModule):
                 "use more validation data"
             )
         # drop_last on the sampler keeps every rank at the same number of samples (no padded duplicates).
-        sampler = DistributedSampler(
+        sampler: Sampler = DistributedSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=True
         )
+        if train:
+            steps_per_epoch = len(dataset) // self.cfg.global_batch_size
+            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, batch_size)
         return DataLoader(
             dataset,
             batch_size=batch_size,
@@ -162,6 +166,14 @@ class TokenDataModule(pl.LightningDataModule):
             persistent_workers=self.cfg.num_workers > 0,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints: how far into the data stream training got."""
+        return {"global_step": int(self.trainer.global_step) if self.trainer is not None else 0}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """On resume, continue the interrupted epoch where it stopped instead of replaying it from the start."""
+        self._resume_step = int(state_dict.get("global_step", 0))
+
     def train_dataloader(self) -> DataLoader:
         """Returns this data-parallel rank's shuffled train loader."""
         return self.build_dataloader("train", *self.data_parallel_info())
@@ -169,6 +181,35 @@ class TokenDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Returns this data-parallel rank's in-order val loader."""
         return self.build_dataloader("val", *self.data_parallel_info())
+
+
+class StepSampler(Sampler[int]):
+    """Serves the data stream by optimizer step: epoch ``e`` = steps // steps_per_epoch, resuming mid-epoch.
+
+    Lightning's own epoch counter cannot be trusted for this: a run stopped by ``max_steps`` mid-epoch is saved as
+    if the epoch had ended, and a resumed run would start the next permutation. Here the first iteration starts at
+    ``start_step`` (the checkpoint's step, skipping what was already trained on) and every later iteration serves
+    the next full epoch, so a resumed run sees exactly the batches an uninterrupted run would.
+    """
+
+    def __init__(self, sampler: DistributedSampler, start_step: int, steps_per_epoch: int, batch_size: int) -> None:
+        self.sampler = sampler
+        self.epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+        self.skip = step_in_epoch * batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored on purpose: the epoch follows from the step count (see the class docstring)."""
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        for position, index in enumerate(self.sampler):
+            if position >= skip:
+                yield index
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.skip
 
 
 def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:

@@ -116,7 +116,7 @@ class GPTModule(pl.LightningModule):
             eps=cfg.eps,
             foreach=True,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, self.max_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, cfg.decay_steps or self.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -57,12 +59,44 @@ def expand_plan(module: nn.Module, plan: TensorParallelPlan) -> dict[str, Parall
     return expanded
 
 
+class ReplicateParallel(ParallelStyle):
+    """Keep a module's parameters whole on every tp rank, as replicated DTensors.
+
+    Modules the plan does not shard (norms without sequence parallelism, a user's small layers) would otherwise
+    keep plain parameters next to DTensor ones, which optimizers, gradient clipping and checkpoints cannot mix.
+    Inputs are wrapped as replicated DTensors and outputs unwrapped, so the module runs unchanged.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._wrap_inputs, output_fn=self._unwrap_outputs)
+
+    @staticmethod
+    def _wrap_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    @staticmethod
+    def _unwrap_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> dict[str, str]:
-    """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
+    """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan``; replicate what the plan leaves.
 
     Returns:
         The concrete module names and the style applied to each (for logs and the layout table).
     """
     expanded = expand_plan(module, plan)
     parallelize_module(module, tp_mesh, expanded)
-    return {name: type(style).__name__ for name, style in expanded.items()}
+    leftovers = {
+        name: ReplicateParallel()
+        for name, child in module.named_modules()
+        if name and any(not isinstance(p, DTensor) for p in child.parameters(recurse=False))
+    }
+    if leftovers:
+        parallelize_module(module, tp_mesh, leftovers)
+    return {name: type(style).__name__ for name, style in {**expanded, **leftovers}.items()}

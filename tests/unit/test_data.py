@@ -192,7 +192,8 @@ def test_dataloaders_use_trainer_dp_coordinates() -> None:
     dm.trainer = _fake_trainer(2, 1)
     loader = dm.train_dataloader()
     assert loader.batch_size == 4 and loader.drop_last
-    assert (loader.sampler.num_replicas, loader.sampler.rank, loader.sampler.shuffle) == (2, 1, True)
+    inner = loader.sampler.sampler  # the DistributedSampler inside the step-driven wrapper
+    assert (inner.num_replicas, inner.rank, inner.shuffle) == (2, 1, True)
     val = dm.val_dataloader()
     assert not val.sampler.shuffle and len(val.sampler) == 10
     # Tensor-parallel peers share a data-parallel coordinate and must see identical batches.
@@ -212,7 +213,8 @@ def test_dp_equivalence(num_train: int) -> None:
 
     def run(num_replicas: int, rank: int, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         loader = dm.build_dataloader("train", num_replicas, rank)
-        loader.sampler.set_epoch(epoch)  # what Lightning's fit loop does at each epoch start
+        for _ in range(epoch):  # every pass over the train loader serves the next epoch
+            list(loader)
         return list(loader)
 
     for epoch in (0, 1):
@@ -225,3 +227,17 @@ def test_dp_equivalence(num_train: int) -> None:
                 union = sorted(row for s in steps for row in _rows(s[k]))
                 assert union == sorted(_rows(ref_batch)), f"n={n} epoch={epoch} step={k}"
     assert not torch.equal(run(1, 0, 0)[0][0], run(1, 0, 1)[0][0])  # epochs reshuffle
+
+
+def test_resume_mid_epoch_continues_the_same_stream() -> None:
+    """A run resumed at step k (Lightning restores the datamodule's state) sees what step k+1.. would have."""
+    dm = build_datamodule(replace(SMALL, num_train_samples=96), seed=3)
+    loader = dm.build_dataloader("train", 2, 1)
+    stream = list(loader) + list(loader)  # two epochs of 12 steps
+    for step in (5, 12, 17):
+        resumed = build_datamodule(replace(SMALL, num_train_samples=96), seed=3)
+        resumed.load_state_dict({"global_step": step})
+        rest = list(resumed.build_dataloader("train", 2, 1))
+        assert len(rest) == 12 - step % 12
+        for a, b in zip(rest, stream[step:], strict=False):
+            assert torch.equal(a[0], b[0])
