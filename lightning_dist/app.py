@@ -42,22 +42,8 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     if par.strategy not in _SUPPORTED:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_SUPPORTED)}.")
     _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
-    if par.strategy in ("ddp", "fsdp"):
-        extra = {axis: getattr(dims, axis) for axis in ("tp", "pp") if getattr(dims, axis) > 1}
-        if par.strategy == "ddp" and dims.dp_shard > 1:
-            extra["dp_shard"] = dims.dp_shard
-        if extra:
-            bad = " ".join(f"parallelism.{k}={v}" for k, v in extra.items())
-            raise ValueError(
-                f"{bad} is not possible with parallelism={par.strategy}, which does {_SUPPORTED[par.strategy]} "
-                "only; use parallelism=tp or tp_fsdp for tensor parallelism, parallelism=pp or 3d for pipelines."
-            )
-    if par.strategy == "tensor_parallel" and dims.pp > 1:
-        raise ValueError(
-            f"parallelism.pp={dims.pp} with the tensor_parallel strategy: pipelines need parallelism=pp or "
-            "parallelism=3d (PipelineParallelStrategy)."
-        )
     TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size)
     if cfg.data.vocab_size > cfg.model.vocab_size:
         raise ValueError(
@@ -78,6 +64,29 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     return dims
 
 
+def _check_strategy_can_do(par) -> None:
+    """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
+    unsupported = {
+        "ddp": ("tp", "pp", "dp_shard"),
+        "fsdp": ("tp", "pp"),
+        "tensor_parallel": ("pp",),
+        "pipeline_parallel": (),
+    }[par.strategy]
+    bad = [f"parallelism.{axis}={getattr(par, axis)}" for axis in unsupported if getattr(par, axis) > 1]
+    if not bad:
+        return
+    if "parallelism.pp" in " ".join(bad):
+        fix = "use parallelism=pp (or parallelism=3d with tp) for pipelines"
+    elif par.strategy == "ddp" and "dp_shard" in bad[0]:
+        fix = "use parallelism=fsdp to shard"
+    else:
+        fix = "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism"
+    raise ValueError(
+        f"{' '.join(bad)} is not possible with parallelism.strategy={par.strategy} "
+        f"(it does {_SUPPORTED[par.strategy]}); {fix}."
+    )
+
+
 def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
     if devices < 1:
         raise ValueError(f"cluster.devices={devices} must be >= 1.")
@@ -88,10 +97,14 @@ def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
         )
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_count() > 0):
         available = _cuda_count()
+        if available == 0:
+            raise ValueError(
+                f"cluster.accelerator={accelerator} but no CUDA device is visible; use cluster=local_cpu on this machine."
+            )
         if devices > available:
             raise ValueError(
-                f"cluster.devices={devices} but {available} CUDA device(s) are visible; "
-                f"use cluster.devices<={available} or cluster=local_cpu."
+                f"cluster.devices={devices} but only {available} CUDA device(s) are visible; "
+                f"use cluster.devices<={available}."
             )
     elif accelerator == "cpu":
         # CPU ranks can share cores (tests run 4 gloo ranks on 2 cores); beyond 2 per core they only thrash.

@@ -1,0 +1,120 @@
+"""End to end through the real console script ``lightning-dist-train``, as a user runs it."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = shutil.which("lightning-dist-train", path=str(Path(sys.executable).parent)) or "lightning-dist-train"
+SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.log_every_n_steps=5", "data.seq_len=64"]
+
+
+def train(*overrides: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    return subprocess.run(
+        [SCRIPT, *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.max_stepz=5"], r"Could not override 'trainer.max_stepz'"),
+        (["trainer.max_steps=abc"], r"Value 'abc' of type 'str' could not be converted to Integer"),
+        (["cluster=gpu"], r"^error: cluster.accelerator=gpu but no CUDA device is visible; use cluster=local_cpu"),
+        (["cluster.devices=64"], r"^error: cluster.devices=64 CPU processes is too many for \d+ cores"),
+        (["data=text", "data.path=missing.txt"], r"^error: data.path='missing.txt' matched no file"),
+        (
+            ["data.global_batch_size=7"],
+            r"^error: data.global_batch_size=7 is not divisible by the data-parallel size 2",
+        ),
+        (
+            ["parallelism.tp=2"],
+            r"^error: parallelism.tp=2 is not possible with parallelism.strategy=ddp .*parallelism=tp",
+        ),
+        (["parallelism=tp", "parallelism.pp=2"], r"^error: parallelism.pp=2 is not possible .*parallelism=pp"),
+        (["parallelism=tp", "model.n_kv_heads=1"], r"^error: tp=2 does not divide model.n_kv_heads=1"),
+        (["parallelism.dp_shard=0"], r"^error: dp_shard=0 must be >= 1, or -1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(overrides: list[str], message: str, tmp_path: Path) -> None:
+    result = train(*overrides, f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    import re
+
+    assert re.search(message, result.stderr, re.MULTILINE), result.stderr[-2000:]
+
+
+def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:
+    result = train(*SHORT, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = {
+        k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in result.stdout.splitlines() if " : " in line)
+    }
+    assert float(summary["train/loss"]) < math.log(256) - 1.0  # learned well below the uniform guess
+    assert float(summary["val/loss"]) > float(summary["loss floor"].split()[0])  # cannot beat the floor
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one W&B run for the whole job, not one per rank"
+    data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    assert b"train/loss" in data and b"val/loss" in data
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_readme_example_override_with_text_data(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    result = train(
+        "model.n_layers=4",
+        "trainer.max_steps=10",
+        "cluster.devices=1",
+        "seed=7",
+        "logger=csv",
+        "data=text",
+        "data.path=README.md",
+        "data.global_batch_size=4",
+        "trainer.val_check_interval=5",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open()))
+    assert any(row.get("train/loss") for row in rows) and any(row.get("val/loss") for row in rows)
+
+
+def test_multirun_runs_each_job_once_in_its_own_directory(tmp_path: Path) -> None:
+    result = train(
+        "-m",
+        "seed=1,2",
+        "logger=csv",
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=2",
+        "data.seq_len=32",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    firsts = []
+    for job in jobs:
+        rows = [r for r in csv.DictReader((tmp_path / "sweep" / job / "csv" / "metrics.csv").open()) if r["train/loss"]]
+        assert [int(r["step"]) for r in rows] == sorted({int(r["step"]) for r in rows})  # no step logged twice
+        firsts.append(rows[0]["train/loss"])
+    assert firsts[0] != firsts[1]  # different seeds really ran
+    assert result.stdout.count("run directory :") == 2  # the sweep ran once, not once per rank
