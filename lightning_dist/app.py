@@ -99,7 +99,8 @@ def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
         available = _cuda_count()
         if available == 0:
             raise ValueError(
-                f"cluster.accelerator={accelerator} but no CUDA device is visible; use cluster=local_cpu on this machine."
+                f"cluster.accelerator={accelerator} but no CUDA device is visible; "
+                "use cluster=local_cpu on this machine."
             )
         if devices > available:
             raise ValueError(

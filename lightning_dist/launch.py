@@ -102,8 +102,8 @@ def _run_rank(
 
 
 def _failure(results: Path, rank: int, fallback: str) -> RankFailedError:
-    """Prefer the first rank whose own exception was recorded (others often fail only because it left)."""
-    recorded = sorted(results.glob("*.err"), key=lambda p: int(p.stem))
+    """Prefer the rank whose exception was recorded first: the others often fail only because it left."""
+    recorded = sorted(results.glob("*.err"), key=lambda p: (p.stat().st_mtime_ns, int(p.stem)))
     if recorded:
         first = recorded[0]
         record = pickle.loads(first.read_bytes())

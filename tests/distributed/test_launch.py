@@ -1,0 +1,51 @@
+"""The launcher: results come back by rank, and a dead or failing rank ends the job with a message, never a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_dist.launch import RankFailedError, launch
+
+
+def _rank_and_sum() -> tuple[int, int]:
+    import torch
+
+    dist.init_process_group("gloo")
+    value = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(value)
+    return dist.get_rank(), int(value)
+
+
+def _rank_one_dies_while_others_wait() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os._exit(3)  # a crash without a Python exception, like an OOM kill
+    dist.barrier()  # rank 0 would wait here forever without the launcher
+
+
+def _rank_one_raises() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("data.path='x' matched no file")
+    dist.barrier()
+
+
+def test_results_come_back_by_rank() -> None:
+    assert launch(_rank_and_sum, 2) == [(0, 3), (1, 3)]
+
+
+def test_a_dead_rank_ends_the_job_quickly_with_its_exit_code() -> None:
+    start = time.perf_counter()
+    with pytest.raises(RankFailedError, match=r"rank 1: died \(exit code 3\)"):
+        launch(_rank_one_dies_while_others_wait, 2)
+    assert time.perf_counter() - start < 60
+
+
+def test_a_failing_rank_reports_its_own_error_not_the_others() -> None:
+    with pytest.raises(RankFailedError, match=r"rank 1: ValueError: data.path='x' matched no file") as info:
+        launch(_rank_one_raises, 2)
+    assert "Traceback" in info.value.details

@@ -1,0 +1,84 @@
+"""Every shipped config composes, every group combination validates, and big models instantiate on meta."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CONF_DIR, compose_config
+
+from lightning_dist.app import build_parallel_dims
+from lightning_dist.models.gpt import GPT
+
+GROUPS = {
+    group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for group in ("model", "data", "parallelism", "cluster", "trainer", "logger")
+}
+RECIPES = sorted(p.stem for p in (CONF_DIR.parent / "recipes").glob("*.yaml"))
+
+PUBLISHED_PARAMS = {"gpt2_124m": 124.4e6, "llama_1b": 1.236e9, "llama_8b": 8.03e9, "llama_70b": 70.55e9}
+
+
+def test_every_group_has_options() -> None:
+    assert GROUPS["model"] == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b"]
+    assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
+    assert GROUPS["data"] == ["synthetic", "text", "tokens"]
+    assert GROUPS["cluster"] == ["gpu", "local_cpu", "node_8gpu"]
+
+
+@pytest.mark.parametrize(
+    ("model", "parallelism", "cluster"),
+    list(itertools.product(GROUPS["model"], GROUPS["parallelism"], GROUPS["cluster"])),
+)
+def test_group_combinations_compose_with_typed_fields(model: str, parallelism: str, cluster: str) -> None:
+    cfg = compose_config([f"model={model}", f"parallelism={parallelism}", f"cluster={cluster}"])
+    assert isinstance(cfg.trainer.max_steps, int) and isinstance(cfg.model.d_model, int)
+    cfg.model.validate()
+    world = cfg.cluster.devices * cfg.cluster.num_nodes
+    fixed = cfg.parallelism.tp * cfg.parallelism.pp
+    if world % fixed:  # e.g. tp_fsdp (tp=2) on one GPU: must be refused with the numbers in the message
+        with pytest.raises(ValueError, match=f"world_size={world}"):
+            build_parallel_dims(cfg)
+    else:
+        dims = build_parallel_dims(cfg)
+        assert dims.world_size == world and dims.tp * dims.pp * dims.dp_size == world
+
+
+@pytest.mark.parametrize("data", GROUPS["data"])
+@pytest.mark.parametrize("logger", GROUPS["logger"])
+def test_data_and_logger_groups_compose(data: str, logger: str) -> None:
+    overrides = [f"data={data}", f"logger={logger}"] + ([] if data == "synthetic" else ["data.path=somewhere"])
+    cfg = compose_config(overrides)
+    assert cfg.data.kind == data and cfg.logger.kind == logger
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipes_compose(recipe: str) -> None:
+    cfg = compose_config([f"recipe={recipe}"])
+    cfg.model.validate()
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_PARAMS))
+def test_big_models_instantiate_on_meta_with_published_sizes(model: str) -> None:
+    cfg = compose_config([f"model={model}"])
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+    total = gpt.num_params(exclude_embedding=False)
+    assert abs(total - PUBLISHED_PARAMS[model]) / PUBLISHED_PARAMS[model] < 0.01, total
+    assert gpt.flops_per_token(1024) > 6 * gpt.num_params()
+
+
+def test_global_batch_is_the_only_batch_setting(tmp_path: Path) -> None:
+    """Layouts change the per-rank batch, never the global one."""
+    from lightning_dist.data import TokenDataModule
+
+    for overrides, per_rank in (
+        (["cluster.devices=1"], 32),
+        (["cluster.devices=2"], 16),
+        (["parallelism=tp", "cluster.devices=2"], 32),
+    ):
+        cfg = compose_config(overrides)
+        dims = build_parallel_dims(cfg)
+        assert TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size) == per_rank
