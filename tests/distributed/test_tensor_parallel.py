@@ -18,17 +18,20 @@ from lightning_dist.launch import RankFailedError, launch
 
 STEPS = 20
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # our strategy with every degree 1: plain one-process training
+# Validation and the sanity check run too: DTensor and inference_mode do not mix, the strategy must handle it.
+WITH_VAL = ["trainer.limit_val_batches=2", "trainer.val_check_interval=10", "trainer.num_sanity_val_steps=1"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_app([*FAST, *REFERENCE, f"trainer.max_steps={STEPS}"], tmp_path_factory.mktemp("reference"))
+    return run_app([*FAST, *WITH_VAL, *REFERENCE, f"trainer.max_steps={STEPS}"], tmp_path_factory.mktemp("reference"))
 
 
 def assert_same_run(result: dict, reference: dict) -> None:
     assert len(losses(result)) == STEPS
     np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
     np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(reference, "train/grad_norm"), rtol=1e-4)
+    np.testing.assert_allclose(result["val_loss"], reference["val_loss"], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -54,13 +57,13 @@ def assert_same_run(result: dict, reference: dict) -> None:
     ids=["tp2", "tp2-nosp", "tp2-nosp-nolp", "tp2xfsdp2", "tp2xfsdp2-nosp-nolp", "tp2xreplicate2"],
 )
 def test_layout_matches_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
-    result = run_app([*FAST, *layout, f"trainer.max_steps={STEPS}"], tmp_path)
+    result = run_app([*FAST, *WITH_VAL, *layout, f"trainer.max_steps={STEPS}"], tmp_path)
     assert_same_run(result, reference)
 
 
 def test_one_process_reference_is_plain_lightning(reference: dict, tmp_path: Path) -> None:
     """The reference (our strategy, all degrees 1) equals Lightning's own single-process DDP run."""
-    plain = run_app([*FAST, "parallelism=ddp", "cluster.devices=1", f"trainer.max_steps={STEPS}"], tmp_path)
+    plain = run_app([*FAST, *WITH_VAL, "parallelism=ddp", "cluster.devices=1", f"trainer.max_steps={STEPS}"], tmp_path)
     np.testing.assert_allclose(losses(plain), losses(reference), rtol=1e-6)
 
 
@@ -124,6 +127,13 @@ def _fit_user_model(tp: int, plan: dict | None) -> dict:
     trainer.fit(model, data)
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     return {"losses": [r["train/loss"] for r in history.records], "param_bytes": sum(p.nbytes for p in local)}
+
+
+def test_registered_short_name_builds_our_strategy() -> None:
+    import lightning_dist  # noqa: F401  (registers the names)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert isinstance(StrategyRegistry.get("tensor_parallel"), TensorParallelStrategy)
 
 
 def test_user_model_through_plan_matches_one_process() -> None:
