@@ -1,7 +1,7 @@
 """lightning-dist: tensor, pipeline and data parallelism for the PyTorch Lightning Trainer."""
 
 from lightning_dist.parallel_dims import ParallelDims
-from lightning_dist.strategies import TensorParallelStrategy
+from lightning_dist.strategies import PipelineParallelStrategy, TensorParallelStrategy
 
-__all__ = ["ParallelDims", "TensorParallelStrategy"]
+__all__ = ["ParallelDims", "PipelineParallelStrategy", "TensorParallelStrategy"]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ from torchmetrics import MeanMetric
 
 from lightning_dist.config import OptimConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
+from lightning_dist.parallel.pipeline import PipelineSpec
 
 
 class GPTModule(pl.LightningModule):
@@ -79,8 +80,10 @@ class GPTModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss = self.compute_loss(batch)
-        self.val_loss.update(loss.detach(), weight=batch[0].shape[0])
+        loss = self.compute_loss(batch).detach()
+        if hasattr(loss, "full_tensor"):  # a replicated DTensor under loss parallelism; metrics add plain tensors
+            loss = loss.full_tensor()
+        self.val_loss.update(loss, weight=batch[0].shape[0])
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()  # torchmetrics syncs across ranks
@@ -94,6 +97,16 @@ class GPTModule(pl.LightningModule):
         from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
 
         return gpt_tensor_parallel_plan("model.", self.model_config.n_layers, sequence_parallel, loss_parallel)
+
+    def pipeline_spec(self) -> PipelineSpec:
+        """How a pipeline splits the GPT: ``model.layers`` are the blocks, embeddings first, norm and head last."""
+        return PipelineSpec(
+            model_attr="model",
+            blocks_attr="layers",
+            first=("tok_emb", "pos_emb"),
+            last=("norm", "head"),
+            loss_fn=self.loss_fn,
+        )
 
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
         """Raise before sharding when ``tp`` cannot split this model."""

@@ -219,7 +219,8 @@ def _fsdp_units(module: nn.Module) -> list[nn.Module]:
     spec = getattr(module, "pipeline_spec", None)
     if spec is None:
         return []
-    blocks = spec().blocks
+    pipeline_spec = spec()
+    blocks = pipeline_spec.blocks(pipeline_spec.model(module))
     return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
 
 

@@ -130,8 +130,9 @@ def _fit_user_model(tp: int, plan: dict | None) -> dict:
 
 
 def test_registered_short_name_builds_our_strategy() -> None:
-    import lightning_dist  # noqa: F401  (registers the names)
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401  (registers the names)
 
     assert isinstance(StrategyRegistry.get("tensor_parallel"), TensorParallelStrategy)
 

@@ -1,0 +1,304 @@
+"""Pipeline parallelism: split a model's block sequence into stages and run them with a torch schedule.
+
+A model is described by a :class:`PipelineSpec` (its block container, the parts owned by the first and last
+stage, the loss). Splitting keeps the full model's module names: a rank deletes the blocks it does not own from
+the container in place (original keys kept), so parameter names, optimizer state and checkpoints do not depend
+on the split. With several stages per rank (interleaved / looped / V schedules) the rank's model holds the union
+of its stages' blocks and each stage runs a *view*: a shallow clone of the model whose container holds only
+that stage's blocks (the blocks themselves are shared, not copied).
+
+No Lightning imports and no model code here; the strategy in ``lightning_dist.strategies.pipeline_parallel``
+drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+#: Schedule name -> stages per rank it runs with (``None`` = 2 or more).
+SCHEDULES: dict[str, int | None] = {
+    "GPipe": 1,
+    "1F1B": 1,
+    "Interleaved1F1B": None,
+    "LoopedBFS": None,
+    "InterleavedZeroBubble": None,
+    "ZBVZeroBubble": 2,
+    "DualPipeV": 2,
+}
+#: Schedules that place stages in a "V" (rank r holds stages r and 2p-1-r) instead of round-robin.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What a LightningModule tells the pipeline strategy about its model (returned by ``pipeline_spec()``).
+
+    Args:
+        model_attr: Attribute of the LightningModule holding the model to split (GPT: ``"model"``).
+        blocks_attr: Dotted path of the block container inside that model (``nn.Sequential``, ``nn.ModuleList``
+            or ``nn.ModuleDict``, run in order); ``""`` = the model itself is the container.
+        first: Submodule names of the model used only before the blocks (embeddings); kept on the first stage.
+        last: Submodule names used only after the blocks (final norm, head); kept on the last stage.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` mean loss of one microbatch.
+        split_batch: ``split_batch(batch) -> (inputs, targets)``; ``inputs`` a tensor or a tuple of tensors
+            (batch dim first). ``None`` = the batch is already ``(inputs, targets)``.
+    """
+
+    model_attr: str
+    blocks_attr: str = ""
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    loss_fn: Callable[[Any, Tensor], Tensor] | None = None
+    split_batch: Callable[[Any], tuple[Any, Tensor]] | None = None
+
+    def model(self, module: nn.Module) -> nn.Module:
+        """The model to split, read from ``module`` (the LightningModule)."""
+        model = getattr(module, self.model_attr, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"pipeline_spec().model_attr={self.model_attr!r} is not an nn.Module of {type(module).__name__}; "
+                "build the model in __init__ or configure_model and name its attribute."
+            )
+        return model
+
+    def blocks(self, model: nn.Module) -> nn.Module:
+        """The block container of ``model``."""
+        container = model.get_submodule(self.blocks_attr) if self.blocks_attr else model
+        if not isinstance(container, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"pipeline_spec().blocks_attr={self.blocks_attr!r} is a {type(container).__name__}; point it at an "
+                "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks."
+            )
+        return container
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def resolve_schedule(name: str, stages_per_rank: int) -> str:
+    """The canonical schedule name; raises when it is unknown or does not fit ``stages_per_rank``."""
+    by_lower = {key.lower(): key for key in SCHEDULES}
+    if name.lower() not in by_lower:
+        raise ValueError(f"pipeline schedule {name!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+    name = by_lower[name.lower()]
+    needed = SCHEDULES[name]
+    if stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank={stages_per_rank} must be >= 1.")
+    if needed == 1 and stages_per_rank != 1:
+        raise ValueError(
+            f"schedule={name} runs one stage per rank but stages_per_rank={stages_per_rank}; set stages_per_rank=1 "
+            "or use Interleaved1F1B / LoopedBFS / InterleavedZeroBubble for virtual stages."
+        )
+    if needed is None and stages_per_rank < 2:
+        raise ValueError(
+            f"schedule={name} is a multi-stage schedule and needs stages_per_rank>=2 (got {stages_per_rank}); "
+            "set stages_per_rank=2 or use GPipe / 1F1B."
+        )
+    if needed == 2 and stages_per_rank != 2:
+        raise ValueError(f"schedule={name} needs exactly stages_per_rank=2 (got {stages_per_rank}); set it to 2.")
+    return name
+
+
+def check_microbatches(schedule: str, microbatches: int, pp: int, stages_per_rank: int) -> None:
+    """Raise when ``microbatches`` is too few for ``schedule`` (torch's own requirement, checked before training)."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be >= 1.")
+    num_stages = pp * stages_per_rank
+    rounds = max(1, microbatches // pp)  # torch's interleaved schedules run microbatches in rounds of pp
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
+        raise ValueError(
+            f"schedule={schedule} needs microbatches <= pp={pp} or a multiple of it (got {microbatches}); "
+            f"use microbatches={pp * rounds}."
+        )
+    if schedule == "DualPipeV" and microbatches < num_stages:
+        raise ValueError(
+            f"schedule={schedule} needs microbatches >= number of stages {num_stages} (got {microbatches}); "
+            f"set microbatches>={num_stages}."
+        )
+    if schedule == "1F1B" and microbatches < pp:
+        raise ValueError(f"schedule=1F1B needs microbatches >= pp={pp} (got {microbatches}); set microbatches>={pp}.")
+
+
+# ----------------------------------------------------------------------------------------------- splitting
+def block_costs(model: nn.Module, spec: PipelineSpec) -> tuple[list[str], list[float]]:
+    """Block keys in order and each block's cost: its parameter count, the first / last parts added to the ends.
+
+    The embedding and the head can be as large as several blocks (vocab x d_model), so leaving them out would put
+    most of the model on the first and last stages.
+    """
+    blocks = spec.blocks(model)
+    keys = list(blocks._modules)
+    costs = [float(_numel(blocks._modules[key])) for key in keys]
+    if keys:
+        costs[0] += sum(_numel(_get_optional(model, name)) for name in spec.first)
+        costs[-1] += sum(_numel(_get_optional(model, name)) for name in spec.last)
+    return keys, costs
+
+
+def balanced_split(costs: Sequence[float], num_stages: int) -> list[list[int]]:
+    """Split consecutive blocks into ``num_stages`` non-empty groups minimizing the largest group's cost.
+
+    Exact dynamic programme over contiguous partitions (``O(n^2 k)``, n blocks, k stages: microseconds here).
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(
+            f"{num_stages} pipeline stages for {n} blocks: every stage needs a block; lower pp (or stages_per_rank) "
+            f"to at most {n}, or use a model with more blocks."
+        )
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[k][i]: smallest max-cost splitting the first i blocks into k groups; cut[k][i]: where the last group starts
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    groups, end = [], n
+    for k in range(num_stages, 0, -1):
+        start = cut[k][end]
+        groups.append(list(range(start, end)))
+        end = start
+    return groups[::-1]
+
+
+def split_at(keys: Sequence[str], blocks_attr: str, split_points: Sequence[str], num_stages: int) -> list[list[int]]:
+    """Groups of block indices from module names that start a new stage (e.g. ``["layers.2"]``)."""
+    if len(split_points) != num_stages - 1:
+        raise ValueError(
+            f"split_points={list(split_points)} gives {len(split_points) + 1} stages but pp x stages_per_rank = "
+            f"{num_stages}; give {num_stages - 1} split point(s)."
+        )
+    prefix = f"{blocks_attr}." if blocks_attr else ""
+    names = [prefix + key for key in keys]
+    starts = []
+    for point in split_points:
+        if point not in names:
+            raise ValueError(f"split point {point!r} is not a block; use one of {names}.")
+        starts.append(names.index(point))
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise ValueError(f"split_points={list(split_points)} must be increasing and not the first block {names[0]!r}.")
+    bounds = [0, *starts, len(keys)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stage indices rank ``pp_rank`` runs: round-robin (``r, r+p, ...``), or a V for ZBV / DualPipeV."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+# -------------------------------------------------------------------------------------------- stage modules
+def prune_model(model: nn.Module, spec: PipelineSpec, keep: set[str], first: bool, last: bool) -> None:
+    """Delete, in place, the blocks not in ``keep`` and the first / last parts this rank does not run.
+
+    Container keys are left as they are (``layers.5`` stays ``layers.5``): names match the full model's.
+    """
+    blocks = spec.blocks(model)
+    for key in list(blocks._modules):
+        if key not in keep:
+            del blocks._modules[key]
+    for names, owned in ((spec.first, first), (spec.last, last)):
+        if not owned:
+            for name in names:
+                _set_none(model, name)
+
+
+def stage_view(model: nn.Module, spec: PipelineSpec, keys: Sequence[str], first: bool, last: bool) -> nn.Module:
+    """A module that runs only ``keys`` of the (pruned) ``model``'s blocks, sharing their parameters.
+
+    Clones are shallow (the module objects below the container are shared); each clone has its own dicts of
+    children and hooks, so hooks put on one stage (FSDP, TP) do not fire on another.
+    """
+    view = _clone(model)
+    if spec.blocks_attr:
+        parent = view
+        *path, leaf = spec.blocks_attr.split(".")
+        for name in path:
+            child = _clone(parent._modules[name])
+            parent._modules[name] = child
+            parent = child
+        container = _clone(parent._modules[leaf])
+        parent._modules[leaf] = container
+    else:
+        container = view
+    container._modules = type(container._modules)((key, container._modules[key]) for key in keys)
+    for names, owned in ((spec.first, first), (spec.last, last)):
+        if not owned:
+            for name in names:
+                _set_none(view, name)
+    return view
+
+
+def build_schedule(
+    name: str,
+    stages: list[PipelineStage],
+    microbatches: int,
+    loss_fn: Callable[[Any, Tensor], Tensor] | None,
+) -> Any:
+    """The torch schedule ``name`` over this rank's ``stages``.
+
+    Gradients are scaled by ``1 / microbatches`` (torch's ``scale_grads``): with a mean loss per microbatch and
+    equal microbatches, they equal the gradients of the whole batch's mean loss.
+    """
+    cls = get_schedule_class(name)
+    if SCHEDULES[name] == 1:
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def broadcast_loss(loss: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:
+    """Send the last stage's loss to every rank of the pipeline group (``src`` is a rank within ``group``)."""
+    if group is None:
+        return loss
+    dist.broadcast(loss, group=group, group_src=src)
+    return loss
+
+
+# -------------------------------------------------------------------------------------------------- helpers
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _get_optional(model: nn.Module, name: str) -> nn.Module | None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return getattr(parent, leaf, None)
+
+
+def _set_none(model: nn.Module, name: str) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if leaf not in parent._modules:
+        if hasattr(parent, leaf) and getattr(parent, leaf) is None:
+            return  # an optional part this model does not have (GPT's pos_emb under arch=llama)
+        raise ValueError(f"pipeline_spec() names {name!r}, which is not a submodule of {type(model).__name__}.")
+    parent._modules[leaf] = None
+
+
+def _clone(module: nn.Module) -> nn.Module:
+    clone = object.__new__(type(module))
+    clone.__dict__ = {
+        key: type(value)(value) if isinstance(value, dict) else value for key, value in vars(module).items()
+    }
+    return clone
+
+
+def stage_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters (CPU when it has none)."""
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")

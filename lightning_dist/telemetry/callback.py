@@ -1,0 +1,348 @@
+"""The ``Telemetry`` callback: ``perf/``, ``comm/<axis>/``, ``memory/`` and ``pipeline/`` metrics every few steps.
+
+Always on (cheap): two clock reads per batch and, per collective, a dict lookup and three additions (see
+:mod:`lightning_dist.telemetry.comm`). At logging steps only: one all-reduce of a small tensor for the min / max
+across ranks, CUDA event reads, and a write to the loggers.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lightning_dist.telemetry.comm import (
+    AXIS_ORDER,
+    CommTracker,
+    OpStats,
+    axis_groups_from_mesh,
+    register_ddp_comm_hook,
+)
+from lightning_dist.telemetry.throughput import (
+    batch_size_and_tokens,
+    find_flops_per_token,
+    peak_tflops,
+    resident_memory_bytes,
+    seq_len_of,
+)
+
+_GIB = 1024**3
+#: Metric prefixes defined on Lightning's step axis in W&B.
+METRIC_PREFIXES = ("perf", "comm", "memory", "pipeline")
+
+
+def _parallel_dims(strategy: Any) -> Any | None:
+    """``strategy.parallel_dims`` with its mesh built, or None (Lightning's own strategies have none)."""
+    try:
+        dims = getattr(strategy, "parallel_dims", None)
+        if dims is not None:
+            dims.mesh  # noqa: B018 - raises when the strategy has not built the mesh
+        return dims
+    except RuntimeError:  # our strategies raise a clear error when read before setup
+        return None
+
+
+class Telemetry(pl.Callback):
+    """Throughput, MFU, communication per mesh axis and memory, logged every ``log_every_n_steps`` optimizer steps.
+
+    Works with our ``TensorParallelStrategy`` / ``PipelineParallelStrategy`` (axes read from
+    ``strategy.parallel_dims``) and with Lightning's ``DDPStrategy`` / ``FSDPStrategy`` (the default group is the
+    ``dp`` axis). Metrics go to every logger of the Trainer on global rank 0 (W&B, CSV, ...).
+
+    Logged keys (per optimizer step, averaged over the steps since the last log):
+
+    - ``perf/step_ms`` (+ ``_min`` / ``_max`` across ranks), ``perf/data_ms``, ``perf/data_fraction``,
+      ``perf/tokens_per_sec`` (global: this rank's tokens x the data-parallel size, so the ``tp x pp`` ranks that
+      share a batch count it once), ``perf/tokens_per_sec_per_device`` (global / world size),
+      ``perf/samples_per_sec``, ``perf/tflops_per_device`` and ``perf/mfu`` (when FLOPs per token and a peak are
+      known).
+    - ``comm/<axis>/ms`` (+ ``_min`` / ``_max``), ``comm/<axis>/bytes``, ``comm/<axis>/calls``,
+      ``comm/<axis>/busbw_gbps`` for the axes ``dp``, ``tp``, ``pp`` (and ``world`` / ``other`` for groups that are
+      no single axis), ``comm/total_ms`` (+ ``_min`` / ``_max``), ``comm/fraction`` of the step time.
+    - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), max over ranks.
+    - ``pipeline/bubble_fraction`` when the strategy exposes ``last_bubble_fraction``.
+
+    At the end of ``fit``: a table of communication per axis and op and a table of the layout (rank -> mesh
+    coordinates) go to W&B (``telemetry/comm``, ``telemetry/layout``), or as CSV files next to ``metrics.csv`` for a
+    CSVLogger, and are printed on rank 0.
+
+    Args:
+        log_every_n_steps: Logging period in optimizer steps; default the Trainer's ``log_every_n_steps``.
+        flops_per_token: Training FLOPs (forward + backward) per token; default ``pl_module.flops_per_token`` or
+            ``pl_module.model.flops_per_token(seq_len)``. Without it TFLOP/s and MFU are omitted.
+        peak_tflops: Peak TFLOP/s per device for MFU; default from the table for known CUDA devices (omitted on CPU).
+        track_comm: Intercept collectives (see :mod:`lightning_dist.telemetry.comm`). On CPU this waits for each
+            collective inside the call, which serializes communication with compute.
+        print_summary: Print the end-of-fit tables on rank 0.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        flops_per_token: float | None = None,
+        peak_tflops: float | None = None,
+        track_comm: bool = True,
+        print_summary: bool = True,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
+        self.log_every_n_steps = log_every_n_steps
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.track_comm = track_comm
+        self.print_summary = print_summary
+        #: Every logged metrics dict (on every rank; the numbers are the same everywhere after the cross-rank sync).
+        self.history: list[dict[str, float]] = []
+        #: End-of-fit tables: ``{"comm": (columns, rows), "layout": (columns, rows)}``.
+        self.tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
+        self.tracker: CommTracker | None = None
+        self._reset_fit_state()
+
+    def _reset_fit_state(self) -> None:
+        self._every = 1
+        self._dims: Any = None
+        self._world_size = 1
+        self._dp_size = 1
+        self._device = torch.device("cpu")
+        self._peak: float | None = None
+        self._last_global_step = 0
+        self._num_steps = 0
+        self._window_start: float | None = None
+        self._last_end: float | None = None
+        self._steps_in_window = 0
+        self._data_seconds = 0.0
+        self._tokens = 0
+        self._samples = 0
+        self._seq_len: int | None = None
+        self._comm_at_last_log: dict[tuple[str, str], OpStats] = {}
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall()  # a Telemetry reused for a second fit starts clean
+        self.tracker = None
+        self._reset_fit_state()
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        self._dims = _parallel_dims(trainer.strategy)
+        self._world_size = trainer.world_size
+        self._dp_size = self._data_parallel_size(trainer)
+        self._device = pl_module.device
+        self._last_global_step = trainer.global_step
+        self._peak = self.peak_tflops
+        if self._peak is None and self._device.type == "cuda":
+            self._peak = peak_tflops(torch.cuda.get_device_name(self._device), str(trainer.precision))
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        if self.track_comm and dist.is_available() and dist.is_initialized() and self._world_size > 1:
+            groups = axis_groups_from_mesh(self._dims.mesh) if self._dims is not None else None
+            self.tracker = CommTracker(groups, device_type=self._device.type).install()
+            model = trainer.strategy.model
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not register_ddp_comm_hook(model):
+                pl.utilities.rank_zero_warn(
+                    "Telemetry: the DDP model already has a comm hook, so its gradient all-reduce is not in comm/dp."
+                )
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+                for prefix in METRIC_PREFIXES:  # our keys against Lightning's step, whatever W&B's own step is
+                    logger.experiment.define_metric(f"{prefix}/*", step_metric="trainer/global_step")
+
+    def _data_parallel_size(self, trainer: pl.Trainer) -> int:
+        if self._dims is not None:
+            return self._dims.dp_size
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", trainer.world_size))
+
+    # ----------------------------------------------------------------------------------------- per batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        now = perf_counter()
+        if self._window_start is None:
+            self._window_start = now
+        if self._last_end is not None:
+            self._data_seconds += now - self._last_end  # the dataloader ran between the two hooks
+        samples, tokens = batch_size_and_tokens(batch)
+        self._samples += samples
+        self._tokens += tokens
+        if self._seq_len is None:
+            self._seq_len = seq_len_of(batch)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        now = perf_counter()
+        self._last_end = now
+        if trainer.global_step == self._last_global_step:  # gradient accumulation: not an optimizer step yet
+            return
+        self._steps_in_window += trainer.global_step - self._last_global_step
+        self._num_steps += trainer.global_step - self._last_global_step
+        self._last_global_step = trainer.global_step
+        if trainer.global_step % self._every == 0:
+            self._log(trainer, pl_module, now)
+            self._last_end = perf_counter()  # the logging itself is not data loading
+
+    # -------------------------------------------------------------------------------------------- logging
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float) -> None:
+        steps = self._steps_in_window
+        seconds = now - self._window_start
+        local: dict[str, float] = {
+            "perf/step_ms": seconds / steps * 1e3,
+            "perf/data_ms": self._data_seconds / steps * 1e3,
+        }
+        comm = self._comm_since_last_log()
+        per_axis: dict[str, OpStats] = {}
+        for (axis, _op), stats in comm.items():
+            total = per_axis.setdefault(axis, OpStats())
+            total.count += stats.count
+            total.bytes += stats.bytes
+            total.bus_bytes += stats.bus_bytes
+            total.seconds += stats.seconds
+        for axis in AXIS_ORDER:
+            stats = per_axis.get(axis, OpStats())
+            local[f"comm/{axis}/ms"] = stats.seconds / steps * 1e3
+            local[f"comm/{axis}/calls"] = stats.count / steps
+        local["comm/total_ms"] = sum(s.seconds for s in per_axis.values()) / steps * 1e3
+        if self._device.type == "cuda":
+            local["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
+            local["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self._device) / _GIB
+            torch.cuda.reset_peak_memory_stats(self._device)
+        local["memory/rss_gib"] = resident_memory_bytes() / _GIB
+        low, high = self._min_max(local)
+
+        metrics: dict[str, float] = {}
+        synced = ("perf/step_ms", "perf/data_ms", "comm/total_ms") if self.tracker else ("perf/step_ms", "perf/data_ms")
+        for key in synced:
+            metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
+        metrics["perf/data_fraction"] = local["perf/data_ms"] / local["perf/step_ms"]
+        tokens_per_sec = self._tokens * self._dp_size / seconds
+        metrics["perf/tokens_per_sec"] = tokens_per_sec
+        metrics["perf/tokens_per_sec_per_device"] = tokens_per_sec / self._world_size
+        metrics["perf/samples_per_sec"] = self._samples * self._dp_size / seconds
+        flops_per_token = self.flops_per_token or find_flops_per_token(pl_module, self._seq_len)
+        if flops_per_token:
+            tflops = flops_per_token * tokens_per_sec / self._world_size / 1e12
+            metrics["perf/tflops_per_device"] = tflops
+            if self._peak:
+                metrics["perf/mfu"] = tflops / self._peak
+        for axis in AXIS_ORDER:
+            if high[f"comm/{axis}/calls"] == 0:  # the axis moved nothing on any rank
+                continue
+            stats = per_axis.get(axis, OpStats())
+            metrics[f"comm/{axis}/ms"] = local[f"comm/{axis}/ms"]
+            metrics[f"comm/{axis}/ms_min"] = low[f"comm/{axis}/ms"]
+            metrics[f"comm/{axis}/ms_max"] = high[f"comm/{axis}/ms"]
+            metrics[f"comm/{axis}/calls"] = local[f"comm/{axis}/calls"]
+            metrics[f"comm/{axis}/bytes"] = stats.bytes / steps
+            metrics[f"comm/{axis}/busbw_gbps"] = stats.busbw_gbps
+        if self.tracker is not None:
+            metrics["comm/fraction"] = local["comm/total_ms"] / local["perf/step_ms"]
+        for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/rss_gib"):
+            if key in local:
+                metrics[key] = high[key]
+        bubble = getattr(trainer.strategy, "last_bubble_fraction", None)
+        if bubble is not None:
+            metrics["pipeline/bubble_fraction"] = float(bubble)
+
+        self.history.append({"step": float(trainer.global_step), **metrics})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        self._window_start = perf_counter()
+        self._steps_in_window = 0
+        self._data_seconds = 0.0
+        self._tokens = self._samples = 0
+
+    def _comm_since_last_log(self) -> dict[tuple[str, str], OpStats]:
+        if self.tracker is None:
+            return {}
+        now = self.tracker.snapshot()
+        delta = {key: stats.minus(self._comm_at_last_log.get(key, OpStats())) for key, stats in now.items()}
+        self._comm_at_last_log = now
+        return delta
+
+    def _min_max(self, local: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """Min and max of every value across ranks, with one all-reduce (MAX of the values and their negatives)."""
+        if not (dist.is_available() and dist.is_initialized()) or self._world_size == 1:
+            return local, local
+        keys = sorted(local)  # the same order on every rank
+        values = torch.tensor([local[k] for k in keys] + [-local[k] for k in keys], dtype=torch.float64)
+        # NCCL reduces device tensors only; gloo takes CPU ones.
+        device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+        values = values.to(device)
+        if self.tracker is not None:
+            with self.tracker.paused():  # our own sync is not the training's communication
+                dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        values = values.cpu().tolist()
+        high = dict(zip(keys, values[: len(keys)]))
+        low = {k: -v for k, v in zip(keys, values[len(keys) :])}
+        return low, high
+
+    # ----------------------------------------------------------------------------------------- end of fit
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.tables = {"comm": self._comm_table(), "layout": self._layout_table(trainer)}
+        self._uninstall()
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                for name, (columns, rows) in self.tables.items():
+                    logger.log_table(key=f"telemetry/{name}", columns=columns, data=rows)
+            elif isinstance(logger, CSVLogger):
+                for name, (columns, rows) in self.tables.items():
+                    _write_csv(Path(logger.log_dir) / f"telemetry_{name}.csv", columns, rows)
+        if self.print_summary:
+            print(format_summary(self.tables, self._num_steps))
+
+    def _comm_table(self) -> tuple[list[str], list[list[Any]]]:
+        columns = ["axis", "op", "calls", "MiB", "ms", "busbw_GBps"]
+        if self.tracker is None:
+            return columns, []
+        totals = self.tracker.snapshot()
+        order = {axis: i for i, axis in enumerate(AXIS_ORDER)}
+        rows = [
+            [axis, op, s.count, round(s.bytes / 2**20, 3), round(s.seconds * 1e3, 3), round(s.busbw_gbps, 3)]
+            for (axis, op), s in sorted(totals.items(), key=lambda item: (order.get(item[0][0], 99), item[0][1]))
+        ]
+        return columns, rows
+
+    def _layout_table(self, trainer: pl.Trainer) -> tuple[list[str], list[list[Any]]]:
+        if self._dims is not None:
+            axes = list(self._dims.degrees)
+            rows = [[rank, *self._dims.coordinates(rank).values()] for rank in range(self._dims.world_size)]
+            return ["rank", *axes], rows
+        return ["rank", "dp"], [[rank, rank] for rank in range(trainer.world_size)]
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._uninstall()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        if self.tracker is not None:
+            self.tracker.flush()
+            self.tracker.uninstall()
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[list[Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        writer.writerows(rows)
+
+
+def format_summary(tables: dict[str, tuple[list[str], list[list[Any]]]], num_steps: int) -> str:
+    """The end-of-fit tables as plain text (what rank 0 prints)."""
+    lines = [f"Telemetry summary ({num_steps} optimizer steps)"]
+    for name, (columns, rows) in tables.items():
+        lines.append(f"{name}:")
+        cells = [columns, *[[str(cell) for cell in row] for row in rows]]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+        lines.extend("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells)
+        if not rows:
+            lines.append("  (none)")
+    return "\n".join(lines)

@@ -1,0 +1,497 @@
+"""Communication time, bytes and bus bandwidth per mesh axis, measured by intercepting torch's Python entry points.
+
+Every parallelism we use reaches the network through a small set of Python functions that are looked up on their
+module at call time, so replacing those module attributes while a :class:`CommTracker` is installed sees all of it:
+
+- ``torch.distributed.<op>`` (and the same name in ``distributed_c10d``, which torch's own helpers call):
+  ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather_single`` / ``all_gather_into_tensor``, ``all_gather``,
+  ``reduce_scatter_single`` / ``reduce_scatter_tensor``, ``reduce_scatter``, ``all_to_all_single``, ``send``,
+  ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``. FSDP2 (``fully_shard``), FSDP1 and Lightning's
+  ``sync_dist`` call these; ``torch.distributed.pipelining`` calls ``isend`` / ``irecv`` / ``batch_isend_irecv``.
+- ``torch.distributed._functional_collectives.<op>`` (private): ``all_reduce``, ``all_gather_single``,
+  ``reduce_scatter_single``, ``all_to_all_single``, ``broadcast``, the coalesced variants: what DTensor's
+  placements and redistribute call (tensor parallelism, loss parallelism).
+- DDP's reducer is C++; :func:`register_ddp_comm_hook` makes it go through ``torch.distributed.all_reduce``
+  (torch's own ``allreduce_hook``, the same arithmetic as DDP's built-in all-reduce).
+
+Only the base functions are wrapped; deprecated aliases (``all_gather_into_tensor`` when ``all_gather_single``
+exists, ``funcol.all_gather_tensor``...) call a base function through the module and are counted there once. A
+per-thread depth counter keeps calls made *inside* a tracked call (the ``isend`` calls of ``batch_isend_irecv``)
+from being counted twice.
+
+Timing:
+
+- CPU (gloo): the wrapper waits for an asynchronous collective before it returns, so the time is the collective's
+  full duration. This serializes communication with compute on CPU (there is little overlap to lose there).
+  Point-to-point ops are different: waiting inside ``isend`` could deadlock a pipeline schedule, so a lone
+  ``isend`` / ``irecv`` returns a work object whose ``wait()`` is timed (the time counted is launch + the time the
+  host was blocked in ``wait``), and ``batch_isend_irecv`` (sends and receives that cannot deadlock each other) is
+  waited inside the wrapper like a collective; its time is split between ``send`` and ``recv`` in proportion to
+  the bytes.
+- CUDA: CUDA events around the call (no host sync); an asynchronous ``Work`` records its end event from a
+  callback of its future, which runs once the collective finished on its stream; functional collectives are
+  waited on the current stream (DTensor uses the result right away). Events are read in :meth:`CommTracker.flush`
+  at logging time.
+
+Bytes follow nccl-tests' "size": the buffer an all-reduce / broadcast / send reduces or moves, the *full* (gathered)
+buffer of an all-gather and the full input of a reduce-scatter. Bus bandwidth uses nccl-tests' factors
+(:data:`BUS_FACTORS`), so busbw compares with the link speed whatever the op.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import perf_counter
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_dist.telemetry._private import (
+    functional_collectives_module,
+    resolve_process_group,
+    wait_functional_collective,
+)
+
+#: Mesh axis name -> the axis it is reported under (the data-parallel axes are reported together as ``dp``).
+REPORTED_AXIS: dict[str, str] = {"dp_replicate": "dp", "dp_shard": "dp", "dp": "dp", "tp": "tp", "pp": "pp"}
+
+#: Axes in the order they are reported; ``world`` is the default group when it is no single axis, ``other`` is any
+#: group the tracker was not told about.
+AXIS_ORDER: tuple[str, ...] = ("dp", "tp", "pp", "world", "other")
+
+#: nccl-tests' bus-bandwidth factor for an op on a group of ``n`` ranks (busbw = size / time x factor).
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+
+@dataclass
+class OpStats:
+    """Totals for one (axis, op) pair on this rank."""
+
+    count: int = 0
+    bytes: int = 0  # nccl-tests "size", summed over calls
+    bus_bytes: float = 0.0  # bytes x bus factor, so that bus_bytes / seconds is nccl-tests' busbw
+    seconds: float = 0.0
+
+    def copy(self) -> OpStats:
+        return OpStats(self.count, self.bytes, self.bus_bytes, self.seconds)
+
+    def minus(self, other: OpStats) -> OpStats:
+        return OpStats(
+            self.count - other.count,
+            self.bytes - other.bytes,
+            self.bus_bytes - other.bus_bytes,
+            self.seconds - other.seconds,
+        )
+
+    @property
+    def busbw_gbps(self) -> float:
+        """Achieved bus bandwidth in GB/s (1e9 bytes), 0 when no time was measured."""
+        return self.bus_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class _Spec(NamedTuple):
+    """Where a wrapped function keeps the tensor that defines the size, and its group."""
+
+    op: str  # key in BUS_FACTORS
+    tensor_pos: int
+    tensor_kw: str
+    group_pos: int
+    group_kw: str
+    times_group_size: bool = False  # size = tensor bytes x n (the input of a gather)
+
+
+# torch.distributed functions. all_gather_single / reduce_scatter_single are the torch 2.13 names; the older
+# *_into_tensor / *_tensor names are wrapped only when the new ones do not exist (they are aliases of them).
+_C10D_SPECS: dict[str, _Spec] = {
+    "all_reduce": _Spec("all_reduce", 0, "tensor", 2, "group"),
+    "broadcast": _Spec("broadcast", 0, "tensor", 2, "group"),
+    "reduce": _Spec("reduce", 0, "tensor", 3, "group"),
+    "all_gather_single": _Spec("all_gather", 0, "output_tensor", 2, "group"),
+    "all_gather": _Spec("all_gather", 1, "tensor", 2, "group", times_group_size=True),
+    "reduce_scatter_single": _Spec("reduce_scatter", 1, "input", 3, "group"),
+    "reduce_scatter": _Spec("reduce_scatter", 1, "input_list", 3, "group"),
+    "all_to_all_single": _Spec("all_to_all", 1, "input", 4, "group"),
+    "send": _Spec("send", 0, "tensor", 2, "group"),
+    "recv": _Spec("recv", 0, "tensor", 2, "group"),
+    "isend": _Spec("send", 0, "tensor", 2, "group"),
+    "irecv": _Spec("recv", 0, "tensor", 2, "group"),
+}
+_C10D_FALLBACKS = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+_P2P = frozenset({"isend", "irecv"})
+
+# Functional collectives (DTensor). Their results are AsyncCollectiveTensors, waited inside the wrapper.
+_FUNCOL_SPECS: dict[str, _Spec] = {
+    "all_reduce": _Spec("all_reduce", 0, "self", 2, "group"),
+    "broadcast": _Spec("broadcast", 0, "self", 2, "group"),
+    "all_gather_single": _Spec("all_gather", 0, "self", 2, "group", times_group_size=True),
+    "reduce_scatter_single": _Spec("reduce_scatter", 0, "self", 3, "group"),
+    "all_to_all_single": _Spec("all_to_all", 0, "self", 3, "group"),
+    "all_reduce_coalesced": _Spec("all_reduce", 0, "self", 2, "group"),
+    "all_gather_single_coalesced": _Spec("all_gather", 0, "self", 1, "group", times_group_size=True),
+    "reduce_scatter_single_coalesced": _Spec("reduce_scatter", 0, "inputs", 3, "group"),
+}
+_FUNCOL_FALLBACKS = {
+    "all_gather_single": "all_gather_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+
+_ACTIVE: CommTracker | None = None  # the installed tracker; the wrappers read it on every call
+_PATCHES: list[tuple[ModuleType, str, Any]] = []  # (module, attribute, original) to restore on uninstall
+_local = threading.local()  # .depth > 0 while inside a tracked call
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str) -> Any:
+    if len(args) > pos:
+        return args[pos]
+    return kwargs.get(name)
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if obj is None:
+        return 0
+    return sum(_nbytes(item) for item in obj)
+
+
+class _TimedWork:
+    """A point-to-point ``Work`` whose ``wait()`` adds the time the host blocks in it to the op's seconds."""
+
+    __slots__ = ("_stats", "_work")
+
+    def __init__(self, work: Any, stats: OpStats) -> None:
+        self._work = work
+        self._stats = stats
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        start = perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._stats.seconds += perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, exception, ...
+        return getattr(self._work, name)
+
+
+class CommTracker:
+    """Counts calls, bytes and time of every collective and point-to-point op, per (axis, op).
+
+    Args:
+        axis_groups: Process groups of each axis, e.g. ``{"dp": [mesh["dp"].get_group()], "tp": [...]}``
+            (see :func:`axis_groups_from_mesh`). ``None`` (Lightning's DDP / FSDP): the default group is ``dp``.
+        device_type: ``"cuda"`` times with CUDA events; anything else with the host clock.
+
+    Use as a context manager, or :meth:`install` / :meth:`uninstall`. Only one tracker can be installed at a time.
+    """
+
+    def __init__(self, axis_groups: Mapping[str, Sequence[dist.ProcessGroup]] | None = None, device_type: str = "cpu"):
+        self.use_cuda_events = device_type == "cuda"
+        self.enabled = True
+        self.stats: dict[tuple[str, str], OpStats] = {}
+        self._pending: list[tuple[OpStats, Any, Any]] = []  # CUDA (stats, start, end) events not read yet
+        self._axis_by_key: dict[Any, tuple[str, int]] = {}  # id(group) / group name -> (axis, group size)
+        self._axis_by_ranks: dict[tuple[int, ...], str] = {}
+        self._keep_alive: list[Any] = []  # groups whose id() is a cache key must not be collected and reused
+        self._world_axis = "dp" if axis_groups is None else None
+        for axis, groups in (axis_groups or {}).items():
+            for group in groups:
+                self._register(REPORTED_AXIS.get(axis, axis), group)
+
+    # ------------------------------------------------------------------------------------------ axis of a group
+    def _register(self, axis: str, group: dist.ProcessGroup) -> None:
+        size = group.size()
+        self._axis_by_key.setdefault(id(group), (axis, size))
+        self._axis_by_key.setdefault(group.group_name, (axis, size))
+        self._keep_alive.append(group)
+        if size > 1:  # size-1 groups of unused axes share rank sets; they move nothing anyway
+            self._axis_by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), axis)
+
+    def axis_of(self, group: Any) -> tuple[str, int]:
+        """``(axis, group size)`` of a ``group`` argument as torch.distributed or the functional collectives take it.
+
+        ``None`` is the default group; also accepted: a ProcessGroup, a group name, a 1-D DeviceMesh, a
+        ``(DeviceMesh, dim)`` pair and a list of ranks. Unknown groups resolve by their ranks, else ``"other"``.
+        """
+        key = id(group) if group is not None and not isinstance(group, str) else group
+        found = self._axis_by_key.get(key)
+        if found is None:
+            found = self._resolve(group)
+            self._axis_by_key[key] = found
+            self._keep_alive.append(group)
+        return found
+
+    def _resolve(self, group: Any) -> tuple[str, int]:
+        if isinstance(group, list):  # deprecated ranks form of the functional collectives
+            ranks = tuple(group)
+            return self._axis_by_ranks.get(ranks, "other"), len(ranks)
+        if group is None:
+            pg = dist.group.WORLD
+        elif isinstance(group, dist.ProcessGroup):
+            pg = group
+        elif isinstance(group, str):
+            pg = resolve_process_group(group)
+        elif isinstance(group, tuple):  # (DeviceMesh, dim)
+            pg = group[0].get_group(group[1])
+        else:  # 1-D DeviceMesh
+            pg = group.get_group()
+        if id(pg) in self._axis_by_key:
+            return self._axis_by_key[id(pg)]
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        axis = self._axis_by_ranks.get(ranks)
+        if axis is None:
+            is_world = len(ranks) == dist.get_world_size()
+            axis = (self._world_axis or "world") if is_world else "other"
+        return axis, len(ranks)
+
+    # ------------------------------------------------------------------------------------------------- control
+    def install(self) -> CommTracker:
+        """Replace torch's communication functions with tracking wrappers (idempotent for this tracker)."""
+        global _ACTIVE
+        if _ACTIVE is self:
+            return self
+        if _ACTIVE is not None:
+            raise RuntimeError("Another CommTracker is installed; uninstall it first (one tracker per process).")
+        _patch_all()
+        _ACTIVE = self
+        return self
+
+    def uninstall(self) -> None:
+        """Put torch's functions back."""
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+            _unpatch_all()
+
+    def __enter__(self) -> CommTracker:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Do not count what runs inside (the telemetry's own synchronization)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def flush(self) -> None:
+        """Add the elapsed time of finished CUDA events to the totals (call at logging time, not every op)."""
+        still_pending = []
+        for stats, start, end in self._pending:
+            try:
+                end.synchronize()
+                stats.seconds += start.elapsed_time(end) / 1e3
+            except RuntimeError:  # the end event's callback has not run yet: read it next time
+                still_pending.append((stats, start, end))
+        self._pending = still_pending
+
+    def snapshot(self) -> dict[tuple[str, str], OpStats]:
+        """A copy of the totals so far (after :meth:`flush`)."""
+        self.flush()
+        return {key: stats.copy() for key, stats in self.stats.items()}
+
+    def reset(self) -> None:
+        self.flush()
+        self.stats.clear()
+
+    # ------------------------------------------------------------------------------------------------ recording
+    def _stats_for(self, axis: str, op: str) -> OpStats:
+        stats = self.stats.get((axis, op))
+        if stats is None:
+            stats = self.stats[(axis, op)] = OpStats()
+        return stats
+
+    def _track(self, fn: Callable, spec: _Spec, args: tuple, kwargs: dict, kind: str) -> Any:
+        axis, size = self.axis_of(_arg(args, kwargs, spec.group_pos, spec.group_kw))
+        nbytes = _nbytes(_arg(args, kwargs, spec.tensor_pos, spec.tensor_kw))
+        if spec.times_group_size:
+            nbytes *= size
+        stats = self._stats_for(axis, spec.op)
+        stats.count += 1
+        stats.bytes += nbytes
+        stats.bus_bytes += nbytes * BUS_FACTORS[spec.op](size)
+        _local.depth = _depth() + 1
+        try:
+            if self.use_cuda_events:
+                return self._call_cuda(fn, args, kwargs, kind, stats)
+            start = perf_counter()
+            out = fn(*args, **kwargs)
+            if kind == "p2p":
+                stats.seconds += perf_counter() - start
+                return _TimedWork(out, stats) if out is not None else out
+            if kind == "funcol":
+                out = wait_functional_collective(out)
+            elif isinstance(out, dist.Work):  # async_op=True
+                out.wait()
+            stats.seconds += perf_counter() - start
+            return out
+        finally:
+            _local.depth -= 1
+
+    def _call_cuda(self, fn: Callable, args: tuple, kwargs: dict, kind: str, stats: OpStats) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args, **kwargs)
+        if kind == "funcol":
+            out = wait_functional_collective(out)  # a stream wait, not a host sync
+            end.record()
+        elif isinstance(out, dist.Work):
+            # The future's callbacks run on a stream that waits for the collective: the event ends with it.
+            out.get_future().then(lambda _: end.record())
+        else:
+            end.record()
+        self._pending.append((stats, start, end))
+        return out
+
+    def _track_batch_p2p(self, fn: Callable, p2p_ops: list) -> Any:
+        """``batch_isend_irecv``: sends and receives that are safe to wait for together."""
+        if not p2p_ops:
+            return fn(p2p_ops)
+        axis, _ = self.axis_of(p2p_ops[0].group)
+        sizes = {"send": 0, "recv": 0}
+        counts = {"send": 0, "recv": 0}
+        for p2p in p2p_ops:
+            direction = "send" if getattr(p2p.op, "__name__", "") == "isend" else "recv"
+            sizes[direction] += _nbytes(p2p.tensor)
+            counts[direction] += 1
+        _local.depth = _depth() + 1
+        try:
+            start = perf_counter()
+            works = fn(p2p_ops)
+            if not self.use_cuda_events:
+                for work in works:
+                    work.wait()
+            seconds = perf_counter() - start if not self.use_cuda_events else 0.0
+        finally:
+            _local.depth -= 1
+        total = sum(sizes.values()) or 1
+        for direction in ("send", "recv"):
+            if counts[direction]:
+                stats = self._stats_for(axis, direction)
+                stats.count += counts[direction]
+                stats.bytes += sizes[direction]
+                stats.bus_bytes += sizes[direction]
+                stats.seconds += seconds * sizes[direction] / total
+        return works
+
+
+# ------------------------------------------------------------------------------------------------------ patching
+def _wrap(fn: Callable, spec: _Spec, kind: str) -> Callable:
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        tracker = _ACTIVE
+        # The checks are the whole always-on cost when tracking is off: a global read and two attribute reads.
+        if tracker is None or not tracker.enabled or _depth() or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return tracker._track(fn, spec, args, kwargs, kind)
+
+    tracked.__name__ = fn.__name__  # batch_isend_irecv tells sends from receives by op.op.__name__
+    tracked.__qualname__ = fn.__qualname__
+    tracked.__doc__ = fn.__doc__
+    tracked.__wrapped__ = fn  # type: ignore[attr-defined]
+    return tracked
+
+
+def _wrap_batch(fn: Callable) -> Callable:
+    def tracked(p2p_op_list: list) -> Any:
+        tracker = _ACTIVE
+        if tracker is None or not tracker.enabled or _depth() or torch.compiler.is_compiling():
+            return fn(p2p_op_list)
+        return tracker._track_batch_p2p(fn, p2p_op_list)
+
+    tracked.__name__ = fn.__name__
+    tracked.__wrapped__ = fn  # type: ignore[attr-defined]
+    return tracked
+
+
+def _set(modules: Sequence[ModuleType], name: str, value: Any) -> None:
+    for module in modules:
+        _PATCHES.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+
+def _patch_all() -> None:
+    """Wrap the base functions on every module that exposes them (same function object on each)."""
+    c10d = dist.distributed_c10d
+    # torch.distributed re-exports c10d's functions; torch's own helpers (batch_isend_irecv, P2POp's op check,
+    # the deprecated aliases) call them through c10d's globals, user code and FSDP through torch.distributed.
+    # Both must hold the same wrapper or P2POp(dist.isend, ...) fails c10d's `op in [isend, irecv]` check.
+    for name, spec in _C10D_SPECS.items():
+        name = name if hasattr(c10d, name) else _C10D_FALLBACKS.get(name, name)
+        if not hasattr(c10d, name):
+            continue
+        wrapper = _wrap(getattr(c10d, name), spec, "p2p" if name in _P2P else "c10d")
+        _set([m for m in (c10d, dist) if getattr(m, name, None) is getattr(c10d, name)], name, wrapper)
+    batch = c10d.batch_isend_irecv
+    _set(
+        [m for m in (c10d, dist) if getattr(m, "batch_isend_irecv", None) is batch],
+        "batch_isend_irecv",
+        _wrap_batch(batch),
+    )
+    funcol = functional_collectives_module()
+    for name, spec in _FUNCOL_SPECS.items():
+        name = name if hasattr(funcol, name) else _FUNCOL_FALLBACKS.get(name, name)
+        if hasattr(funcol, name):
+            _set([funcol], name, _wrap(getattr(funcol, name), spec, "funcol"))
+
+
+def _unpatch_all() -> None:
+    while _PATCHES:
+        module, name, original = _PATCHES.pop()
+        setattr(module, name, original)
+
+
+def active_tracker() -> CommTracker | None:
+    """The installed tracker, if any."""
+    return _ACTIVE
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = ("dp_replicate", "dp_shard", "dp", "tp", "pp")) -> dict:
+    """``{reported axis: [process groups]}`` of the named axes of a DeviceMesh that has them."""
+    groups: dict[str, list[dist.ProcessGroup]] = {}
+    for axis in axes:
+        try:
+            group = mesh[axis].get_group()
+        except (KeyError, RuntimeError, ValueError):  # axis absent from this mesh
+            continue
+        groups.setdefault(REPORTED_AXIS.get(axis, axis), []).append(group)
+    return groups
+
+
+def register_ddp_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Route DDP's gradient all-reduce through ``torch.distributed.all_reduce`` so the tracker sees it.
+
+    Uses torch's ``allreduce_hook`` (divide by the group size, all-reduce, the same result as DDP's built-in
+    path). Returns False, and changes nothing, when the model already has a comm hook (DDP allows only one).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    try:
+        ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
+    except RuntimeError:  # "register_comm_hook ... can only be called once"
+        return False
+    return True

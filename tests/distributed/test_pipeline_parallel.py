@@ -1,0 +1,179 @@
+"""PipelineParallelStrategy on CPU (gloo): every schedule and layout gives the one-process losses and grad norms."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import FAST, compose_config, losses, run_app
+from torch import nn
+
+from lightning_dist import PipelineParallelStrategy
+from lightning_dist.launch import launch
+from lightning_dist.parallel.pipeline import PipelineSpec
+
+REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # our strategy with every degree 1: one-process training
+FOUR_LAYERS = "model.n_layers=4"  # 4 stages (pp=2 x 2 virtual stages) need 4 blocks
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_app([*FAST, *REFERENCE], tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def reference_4l(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_app([*FAST, *REFERENCE, FOUR_LAYERS], tmp_path_factory.mktemp("reference_4l"))
+
+
+def assert_same_run(result: dict, reference: dict) -> None:
+    assert len(losses(result)) == len(losses(reference)) == 10
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
+    np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(reference, "train/grad_norm"), rtol=1e-4)
+
+
+def _fit_all_ranks(cfg) -> dict:
+    from lightning_dist.app import fit
+
+    return fit(cfg)
+
+
+def test_single_stage_schedules_match_one_process_on_every_rank(reference: dict, tmp_path: Path) -> None:
+    """GPipe and 1F1B at pp=2; the loss every rank logs (not only the last stage's) is the one-process loss."""
+    for schedule in ("GPipe", "1F1B"):
+        overrides = [*FAST, "parallelism=pp", "cluster.devices=2", f"parallelism.schedule={schedule}"]
+        cfg = compose_config([*overrides, "parallelism.microbatches=4"], tmp_path / schedule)
+        ranks = launch(_fit_all_ranks, 2, cfg)
+        for rank in ranks:
+            assert_same_run(rank, reference)
+
+
+@pytest.mark.parametrize(
+    "schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+)
+def test_multi_stage_schedules_match_one_process(schedule: str, reference_4l: dict, tmp_path: Path) -> None:
+    layout = ["parallelism=pp", "cluster.devices=2", f"parallelism.schedule={schedule}"]
+    result = run_app(
+        [*FAST, *layout, FOUR_LAYERS, "parallelism.stages_per_rank=2", "parallelism.microbatches=4"], tmp_path
+    )
+    assert_same_run(result, reference_4l)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallelism=pp", "cluster.devices=4", "parallelism.dp_shard=2"],
+        ["parallelism=3d", "cluster.devices=4", "parallelism.dp_shard=1"],
+    ],
+    ids=["pp2xfsdp2", "pp2xtp2"],
+)
+def test_pipeline_composes_with_fsdp_and_tp(layout: list[str], reference: dict, tmp_path: Path) -> None:
+    assert_same_run(run_app([*FAST, *layout, "parallelism.microbatches=2"], tmp_path), reference)
+
+
+def test_validation_and_sanity_check_run_through_the_schedule(tmp_path: Path) -> None:
+    val = ["trainer.num_sanity_val_steps=1", "trainer.limit_val_batches=2", "trainer.val_check_interval=5"]
+    single = run_app([*FAST, *REFERENCE, *val], tmp_path / "single")
+    piped = run_app([*FAST, "parallelism=pp", "cluster.devices=2", *val], tmp_path / "pp")
+    assert piped["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+
+
+def test_exact_resume_in_the_same_layout(tmp_path: Path) -> None:
+    layout = [*FAST, "parallelism=pp", "cluster.devices=2", "optim.decay_steps=20", "trainer.enable_checkpointing=true"]
+    full = run_app([*layout, "trainer.max_steps=20"], tmp_path / "full")
+    first = run_app([*layout, "trainer.max_steps=10"], tmp_path / "first")
+    resumed = run_app([*layout, "trainer.max_steps=20", f"ckpt_path={first['checkpoint']}"], tmp_path / "resumed")
+    assert losses(first) == losses(full)[:10]
+    assert len(losses(resumed)) == 10
+    np.testing.assert_allclose(losses(resumed), losses(full)[10:], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- a user's nn.Sequential model
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class SequentialModel(pl.LightningModule):
+    """Not the GPT: an nn.Sequential of blocks (embedding in front, head behind), described by pipeline_spec()."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [("embed", nn.Embedding(vocab, width))]
+        layers += [(f"block{i}", Block(width)) for i in range(depth)]
+        layers += [("head", nn.Linear(width, vocab))]
+        self.net = nn.Sequential(OrderedDict(layers))
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def compute_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.net(batch[:, :-1]), batch[:, 1:])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(
+            model_attr="net", loss_fn=self.loss_fn, split_batch=lambda batch: (batch[:, :-1], batch[:, 1:])
+        )
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        self.values.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def _fit_user_model(pp: int) -> dict:
+    torch.manual_seed(0)
+    data = torch.randint(0, 32, (80, 9))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)  # pp peers read the same batches (dp = 1)
+    record = _Losses()
+    strategy = PipelineParallelStrategy(pp=pp, schedule="GPipe", microbatches=4) if pp > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=pp,
+        strategy=strategy,
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    module = SequentialModel()
+    trainer.fit(module, loader)
+    names = sorted(name for name, _ in module.named_parameters())
+    numel = sum(p.numel() for p in module.parameters())
+    return {"losses": record.values, "names": names, "numel": numel}
+
+
+def test_user_sequential_model_matches_one_process() -> None:
+    single = launch(_fit_user_model, 1, 1)[0]
+    ranks = launch(_fit_user_model, 2, 2)
+    for rank in ranks:
+        np.testing.assert_allclose(rank["losses"], single["losses"], rtol=1e-5)
+    # Each rank holds a slice of the model under the full model's parameter names.
+    assert sorted(ranks[0]["names"] + ranks[1]["names"]) == single["names"]
+    assert ranks[0]["names"][0].startswith("net.")
+    assert max(rank["numel"] for rank in ranks) <= 0.6 * single["numel"]
