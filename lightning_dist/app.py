@@ -139,7 +139,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
 
     from lightning_dist.data import build_datamodule
     from lightning_dist.models.module import GPTModule
-    from lightning_dist.telemetry import LossHistory
+    from lightning_dist.telemetry import LossHistory, Telemetry
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
@@ -152,6 +152,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
     history = LossHistory()
     checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
     all_callbacks = [history, *callbacks]
+    if cfg.trainer.telemetry:
+        all_callbacks.append(Telemetry(peak_tflops=cfg.cluster.peak_tflops))
     if cfg.trainer.enable_checkpointing:
         all_callbacks.append(checkpoint)
     trainer = pl.Trainer(

@@ -106,6 +106,8 @@ class TrainerConfig:
     """Save a checkpoint at the end of training (ModelCheckpoint, last.ckpt)."""
     enable_progress_bar: bool = False
     """Show Lightning's progress bar (off by default: logs read better in files and CI)."""
+    telemetry: bool = True
+    """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
 
 
 @dataclass

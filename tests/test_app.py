@@ -73,6 +73,8 @@ def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:
     assert len(runs) == 1, "one W&B run for the whole job, not one per rank"
     data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
     assert b"train/loss" in data and b"val/loss" in data
+    for key in (b"perf/tokens_per_sec", b"perf/step_ms", b"comm/dp/ms", b"comm/dp/busbw_gbps", b"memory/"):
+        assert key in data, key  # telemetry reaches the W&B run
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
 
 
@@ -94,6 +96,7 @@ def test_readme_example_override_with_text_data(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open()))
     assert any(row.get("train/loss") for row in rows) and any(row.get("val/loss") for row in rows)
+    assert any(row.get("perf/tokens_per_sec") for row in rows) and any(row.get("memory/rss_gib") for row in rows)
 
 
 def test_multirun_runs_each_job_once_in_its_own_directory(tmp_path: Path) -> None:

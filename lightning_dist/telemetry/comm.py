@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_dist.telemetry._private import (
+from lightning_dist._compat import (
     functional_collectives_module,
     resolve_process_group,
     wait_functional_collective,

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dist._compat import functional_collectives_module
 from lightning_dist.launch import launch
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.telemetry import CommTracker, OpStats, Telemetry, axis_groups_from_mesh
-from lightning_dist.telemetry._private import functional_collectives_module
 
 DELAY = 0.02  # seconds added to every call of the slowed axis
 
