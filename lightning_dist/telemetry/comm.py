@@ -25,9 +25,8 @@ Timing:
   full duration. This serializes communication with compute on CPU (there is little overlap to lose there).
   Point-to-point ops are different: waiting inside ``isend`` could deadlock a pipeline schedule, so a lone
   ``isend`` / ``irecv`` returns a work object whose ``wait()`` is timed (the time counted is launch + the time the
-  host was blocked in ``wait``), and ``batch_isend_irecv`` (sends and receives that cannot deadlock each other) is
-  waited inside the wrapper like a collective; its time is split between ``send`` and ``recv`` in proportion to
-  the bytes.
+  host was blocked in ``wait``), and so is each op of ``batch_isend_irecv``: a schedule posts its sends, computes
+  and waits later, and waiting inside the wrapper would block both neighbours in their sends.
 - CUDA: CUDA events around the call (no host sync); an asynchronous ``Work`` records its end event from a
   callback of its future, which runs once the collective finished on its stream; functional collectives are
   waited on the current stream (DTensor uses the result right away). Events are read in :meth:`CommTracker.flush`
@@ -368,35 +367,31 @@ class CommTracker:
         return out
 
     def _track_batch_p2p(self, fn: Callable, p2p_ops: list) -> Any:
-        """``batch_isend_irecv``: sends and receives that are safe to wait for together."""
+        """``batch_isend_irecv``: counted per direction, timed when the caller waits.
+
+        Never wait here: a pipeline schedule posts its sends, computes, and waits later; waiting inside the
+        wrapper would block both neighbours in their sends (a deadlock with gloo).
+        """
         if not p2p_ops:
             return fn(p2p_ops)
         axis, _ = self.axis_of(p2p_ops[0].group)
-        sizes = {"send": 0, "recv": 0}
-        counts = {"send": 0, "recv": 0}
-        for p2p in p2p_ops:
-            direction = "send" if getattr(p2p.op, "__name__", "") == "isend" else "recv"
-            sizes[direction] += _nbytes(p2p.tensor)
-            counts[direction] += 1
+        directions = ["send" if getattr(p2p.op, "__name__", "") == "isend" else "recv" for p2p in p2p_ops]
+        for direction, p2p in zip(directions, p2p_ops):
+            stats = self._stats_for(axis, direction)
+            stats.count += 1
+            stats.bytes += _nbytes(p2p.tensor)
+            stats.bus_bytes += _nbytes(p2p.tensor)
         _local.depth = _depth() + 1
         try:
-            start = perf_counter()
             works = fn(p2p_ops)
-            if not self.use_cuda_events:
-                for work in works:
-                    work.wait()
-            seconds = perf_counter() - start if not self.use_cuda_events else 0.0
         finally:
             _local.depth -= 1
-        total = sum(sizes.values()) or 1
-        for direction in ("send", "recv"):
-            if counts[direction]:
-                stats = self._stats_for(axis, direction)
-                stats.count += counts[direction]
-                stats.bytes += sizes[direction]
-                stats.bus_bytes += sizes[direction]
-                stats.seconds += seconds * sizes[direction] / total
-        return works
+        if self.use_cuda_events or not works:
+            return works
+        if len(works) == len(p2p_ops):  # gloo: one work per op
+            return [_TimedWork(w, self._stats_for(axis, d)) for w, d in zip(works, directions)]
+        # A backend that coalesces the batch into one work: its wait is the receive (or the send, if none).
+        return [_TimedWork(w, self._stats_for(axis, "recv" if "recv" in directions else "send")) for w in works]
 
 
 # ------------------------------------------------------------------------------------------------------ patching
