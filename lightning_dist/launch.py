@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import traceback
@@ -71,17 +72,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: in
     }
     with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
         results = Path(tmp)
+        context = mp.start_processes(
+            _run_rank, args=(fn, args, env, threads, results), nprocs=nprocs, start_method="spawn", join=False
+        )
         try:
-            mp.start_processes(
-                _run_rank, args=(fn, args, env, threads, results), nprocs=nprocs, start_method="spawn", join=True
-            )
-        except mp.ProcessRaisedException as err:
-            raise _failure(results, err.error_index, "raised an exception") from None
-        except mp.ProcessExitedException as err:
-            reason = (
-                f"died (exit code {err.exit_code})" if err.exit_code >= 0 else f"was killed by signal {-err.exit_code}"
-            )
-            raise _failure(results, err.error_index, reason) from None
+            while not context.join():  # returns when all ranks finished; raises (and terminates the rest) on failure
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            raise _failure(results, [p.exitcode for p in context.processes], err.error_index) from None
         return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
 
 
@@ -101,11 +99,21 @@ def _run_rank(
     (results / f"{local_rank}.out").write_bytes(pickle.dumps(result))
 
 
-def _failure(results: Path, rank: int, fallback: str) -> RankFailedError:
-    """Prefer the rank whose exception was recorded first: the others often fail only because it left."""
-    recorded = sorted(results.glob("*.err"), key=lambda p: (p.stat().st_mtime_ns, int(p.stem)))
+def _failure(results: Path, exit_codes: list[int | None], first_noticed: int) -> RankFailedError:
+    """The root cause among the failed ranks.
+
+    A rank that died without raising (a crash, an OOM kill) comes first: the others then fail only because their
+    peer is gone ("connection closed"). Otherwise the exception recorded first wins. Ranks the launcher itself
+    terminated afterwards (SIGTERM) are never the cause.
+    """
+    recorded = {int(p.stem): p for p in results.glob("*.err")}
+    for rank, code in enumerate(exit_codes):
+        if code is None or code == 0 or rank in recorded or code == -signal.SIGTERM:
+            continue
+        reason = f"died (exit code {code})" if code > 0 else f"was killed by signal {signal.Signals(-code).name}"
+        return RankFailedError(rank, reason)
     if recorded:
-        first = recorded[0]
-        record = pickle.loads(first.read_bytes())
-        return RankFailedError(int(first.stem), record["message"], record["details"])
-    return RankFailedError(rank, fallback)
+        rank = min(recorded, key=lambda r: (recorded[r].stat().st_mtime_ns, r))
+        record = pickle.loads(recorded[rank].read_bytes())
+        return RankFailedError(rank, record["message"], record["details"])
+    return RankFailedError(first_noticed, f"failed (exit code {exit_codes[first_noticed]})")

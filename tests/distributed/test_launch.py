@@ -27,6 +27,15 @@ def _rank_one_dies_while_others_wait() -> None:
     dist.barrier()  # rank 0 would wait here forever without the launcher
 
 
+def _rank_one_is_killed() -> None:
+    import signal
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does
+    dist.barrier()
+
+
 def _rank_one_raises() -> None:
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
@@ -49,3 +58,8 @@ def test_a_failing_rank_reports_its_own_error_not_the_others() -> None:
     with pytest.raises(RankFailedError, match=r"rank 1: ValueError: data.path='x' matched no file") as info:
         launch(_rank_one_raises, 2)
     assert "Traceback" in info.value.details
+
+
+def test_a_killed_rank_is_named_as_the_cause() -> None:
+    with pytest.raises(RankFailedError, match=r"rank 1: was killed by signal SIGKILL"):
+        launch(_rank_one_is_killed, 2)
