@@ -166,7 +166,9 @@ class _StateBytes(pl.Callback):
             if isinstance(v, torch.Tensor) and v.ndim > 0
         )
         pl_module.state_bytes = params + optim
-        torch.save(params + optim, Path(trainer.default_root_dir) / f"bytes{trainer.global_rank}.pt")
+        out = Path(trainer.default_root_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(params + optim, out / f"bytes{trainer.global_rank}.pt")
 
 
 def test_tp2_halves_parameter_and_optimizer_bytes(tmp_path: Path) -> None:
