@@ -81,3 +81,10 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def checkpoint_metadata_file() -> str:
+    """The file in a Lightning sharded checkpoint folder that holds everything but model and optimizer state."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return _METADATA_FILENAME

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 #: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
@@ -97,6 +98,10 @@ def _run_rank(
         (results / f"{local_rank}.err").write_bytes(pickle.dumps(record))
         raise
     (results / f"{local_rank}.out").write_bytes(pickle.dumps(result))
+    # A process that exits with a live gloo group can abort in its C++ destructors ("terminate called without an
+    # active exception", SIGABRT) after its work succeeded: close the group the rank opened.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _failure(results: Path, exit_codes: list[int | None], first_noticed: int) -> RankFailedError:

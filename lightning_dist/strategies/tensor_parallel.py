@@ -5,13 +5,23 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -23,6 +33,8 @@ from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.parallel_dims import ParallelDims
 
 _DEFAULT_TIMEOUT = timedelta(minutes=10)
+_OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+_OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -171,6 +183,37 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 "tensor_parallel_plan() on the module, or parallelize it by hand in configure_model."
             )
         return method(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        # Flattened: one key per parameter ("state.layers.0.w.exp_avg", "param_groups.layers.0.w.lr"). Lightning's
+        # nested form has one "param_groups" entry per optimizer, which DCP keeps from a single rank; pipeline ranks
+        # hold different parameters, so the others would lose their groups on load (torchtitan flattens too).
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=_OPTIM_STATE_SAVE)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint (a folder written by ``torch.distributed.checkpoint``) into this layout.
+
+        Lightning's own loader only accepts models with DTensor parameters; a pipeline stage without TP or FSDP has
+        plain tensors, and each rank holds only its stages' parameters. Both are read here the same way: every rank
+        asks DCP for exactly the keys its model and optimizers hold, under the full model's names.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)  # a full (single-file) checkpoint
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for idx, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=_OPTIM_STATE_LOAD)
+        dcp.load(state, checkpoint_id=path)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for idx, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_STATE_LOAD)
+        return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
     # ------------------------------------------------------------------------------------------------- training
     @contextmanager

@@ -147,7 +147,7 @@ class _Losses(pl.Callback):
 def _fit_user_model(pp: int) -> dict:
     torch.manual_seed(0)
     data = torch.randint(0, 32, (80, 9))
-    loader = torch.utils.data.DataLoader(data, batch_size=8)  # pp peers read the same batches (dp = 1)
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
     record = _Losses()
     strategy = PipelineParallelStrategy(pp=pp, schedule="GPipe", microbatches=4) if pp > 1 else "auto"
     trainer = pl.Trainer(
@@ -160,6 +160,9 @@ def _fit_user_model(pp: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[record],
+        # Lightning shuffles training data whenever it installs a DistributedSampler (any multi-process strategy)
+        # and never on one device; with dp = 1 every pipeline rank reads the loader's own order, as one process does.
+        use_distributed_sampler=False,
     )
     module = SequentialModel()
     trainer.fit(module, loader)
