@@ -93,6 +93,7 @@ class PipelineParallelStrategy(TensorParallelStrategy):
         self._spec: pipeline.PipelineSpec | None = None
         self._loss_src = 0
         self._pipeline_grads: list[tuple[nn.Parameter, Tensor | None]] = []
+        self._bubble: pipeline.BubbleTimer | None = None
 
     # --------------------------------------------------------------------------------------------------- layout
     def _pp_group(self):
@@ -105,6 +106,10 @@ class PipelineParallelStrategy(TensorParallelStrategy):
         if self._schedule is None:
             raise RuntimeError(f"{type(self).__name__}.schedule was read before the Trainer set the model up.")
         return self._schedule
+
+    def pop_bubble_fraction(self) -> float | None:
+        """This rank's idle fraction of the training steps since the last call (see ``BubbleTimer``)."""
+        return self._bubble.pop_fraction() if self._bubble is not None else None
 
     @override
     @contextmanager
@@ -160,6 +165,7 @@ class PipelineParallelStrategy(TensorParallelStrategy):
                 PipelineStage(view, sid, num_stages, self.root_device, group=self._pp_group() or _world_group())
             )
         self._schedule = pipeline.build_schedule(self.schedule_name, stages, self.microbatches, spec.loss_fn)
+        self._bubble = pipeline.BubbleTimer(stages, self.root_device)
         # The pipeline rank whose stage computes the loss: the last rank, or rank 0 for V schedules.
         self._loss_src = 0 if self.schedule_name in pipeline.V_SCHEDULES else dims.pp - 1
         self._spec = spec
@@ -230,7 +236,8 @@ class PipelineParallelStrategy(TensorParallelStrategy):
             params = [p for p in module.parameters() if p.requires_grad]
             for param in params:
                 param.grad = None  # the schedule accumulates into .grad
-            self.schedule.step(*(args if has_first else ()), **kwargs)
+            with self._bubble.step():
+                self.schedule.step(*(args if has_first else ()), **kwargs)
             # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
             self._pipeline_grads = [(p, p.grad) for p in params]
             for param in params:

@@ -66,7 +66,7 @@ class Telemetry(pl.Callback):
       ``comm/<axis>/busbw_gbps`` for the axes ``dp``, ``tp``, ``pp`` (and ``world`` / ``other`` for groups that are
       no single axis), ``comm/total_ms`` (+ ``_min`` / ``_max``), ``comm/fraction`` of the step time.
     - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), max over ranks.
-    - ``pipeline/bubble_fraction`` when the strategy exposes ``last_bubble_fraction``.
+    - ``pipeline/bubble_fraction`` (and its min / max over ranks) under ``PipelineParallelStrategy``.
 
     At the end of ``fit``: a table of communication per axis and op and a table of the layout (rank -> mesh
     coordinates) go to W&B (``telemetry/comm``, ``telemetry/layout``), or as CSV files next to ``metrics.csv`` for a
@@ -208,6 +208,10 @@ class Telemetry(pl.Callback):
             local["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self._device) / _GIB
             torch.cuda.reset_peak_memory_stats(self._device)
         local["memory/rss_gib"] = resident_memory_bytes() / _GIB
+        pop_bubble = getattr(trainer.strategy, "pop_bubble_fraction", None)
+        bubble = pop_bubble() if callable(pop_bubble) else None
+        if bubble is not None:
+            local["pipeline/bubble_fraction"] = bubble
         low, high = self._min_max(local)
 
         metrics: dict[str, float] = {}
@@ -240,9 +244,9 @@ class Telemetry(pl.Callback):
         for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/rss_gib"):
             if key in local:
                 metrics[key] = high[key]
-        bubble = getattr(trainer.strategy, "last_bubble_fraction", None)
-        if bubble is not None:
-            metrics["pipeline/bubble_fraction"] = float(bubble)
+        if "pipeline/bubble_fraction" in local:
+            key = "pipeline/bubble_fraction"
+            metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
 
         self.history.append({"step": float(trainer.global_step), **metrics})
         if trainer.is_global_zero:

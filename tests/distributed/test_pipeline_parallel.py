@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -180,3 +181,69 @@ def test_user_sequential_model_matches_one_process() -> None:
     assert sorted(ranks[0]["names"] + ranks[1]["names"]) == single["names"]
     assert ranks[0]["names"][0].startswith("net.")
     assert max(rank["numel"] for rank in ranks) <= 0.6 * single["numel"]
+
+
+# --------------------------------------------------------------------------------------------- the pipeline bubble
+class _Sleep(torch.autograd.Function):
+    """Known compute time: forward sleeps ``seconds``, backward twice as long (like a real layer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(super().forward(x), 0.02)
+
+
+class SleepModel(SequentialModel):
+    def __init__(self) -> None:
+        super().__init__(depth=0)
+        self.net = nn.Sequential(
+            OrderedDict(
+                [
+                    ("embed", nn.Embedding(32, 16)),
+                    ("b0", SleepBlock(16)),
+                    ("b1", SleepBlock(16)),
+                    ("head", nn.Linear(16, 32)),
+                ]
+            )
+        )
+
+
+def _bubble_under_gpipe(microbatches: int) -> list[float]:
+    from lightning_dist import Telemetry
+
+    telemetry = Telemetry(log_every_n_steps=1, print_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=PipelineParallelStrategy(pp=2, schedule="GPipe", microbatches=microbatches, split_points=["b1"]),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[telemetry],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(SleepModel(), torch.utils.data.DataLoader(torch.randint(0, 32, (48, 9)), batch_size=8))
+    return [record["pipeline/bubble_fraction"] for record in telemetry.history]
+
+
+@pytest.mark.parametrize("microbatches", [2, 8])
+def test_bubble_fraction_matches_gpipe_theory(microbatches: int) -> None:
+    """Sleeping blocks give a known schedule: GPipe idles (p-1)/(m+p-1) of each step, what Telemetry must log."""
+    theory = (2 - 1) / (microbatches + 2 - 1)
+    bubbles = launch(_bubble_under_gpipe, 2, microbatches)[0]
+    assert len(bubbles) == 3
+    # the first step also builds the schedule's buffers; the sleeps make steps 2 and 3 exact up to scheduling noise
+    np.testing.assert_allclose(bubbles[1:], theory, atol=0.05)
