@@ -1,9 +1,10 @@
-"""Step time of Lightning DDP (2 CPU ranks, gloo) with the Telemetry callback off, on without comm tracking, and on.
+"""Step time with the Telemetry callback off, on without comm tracking, and on: DDP or TP=2 on 2 CPU ranks (gloo).
 
-Run by hand: ``python benchmarks/telemetry_overhead.py [--steps 60] [--repeats 3]``. Each configuration is run
-``--repeats`` times, interleaved (off, light, full, off, ...) so that machine drift hits all of them alike; per run
-the median step time over the steps after ``--warmup`` is taken by a separate timing callback, and the best run of
-each configuration is reported (on a shared machine, other load only ever makes a run slower).
+Run by hand: ``python benchmarks/telemetry_overhead.py [--strategy ddp|tp] [--steps 60] [--repeats 3]``.
+Each configuration is run ``--repeats`` times, interleaved (off, light, full, off, ...) so that machine drift hits
+all of them alike; per run the median step time over the steps after ``--warmup`` is taken by a separate timing
+callback, and the best run of each configuration is reported (on a shared machine, other load only ever makes a run
+slower).
 
 A second, in-process measurement isolates the always-on bookkeeping from machine noise: the cost of the callback's
 per-batch hooks and of one tracked vs untracked ``all_reduce`` (1-rank gloo group), over many calls.
@@ -57,8 +58,19 @@ class TinyLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def run_rank(mode: str, steps: int, width: int, depth: int, log_every: int) -> list[float]:
+def _strategy(name: str) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dist import TensorParallelStrategy
+
+    if name == "ddp":
+        return DDPStrategy()
+    # Megatron-style MLP split; embedding and head are replicated on the tp axis by the strategy.
+    plan = {"blocks.*.0": "colwise", "blocks.*.2": "rowwise"}
+    return TensorParallelStrategy(tp=2, plan=plan, sequence_parallel=False, loss_parallel=False)
+
+
+def run_rank(strategy: str, mode: str, steps: int, width: int, depth: int, log_every: int) -> list[float]:
 
     torch.manual_seed(0)
     vocab, seq, batch = 256, 64, 8
@@ -71,7 +83,7 @@ def run_rank(mode: str, steps: int, width: int, depth: int, log_every: int) -> l
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(),
+        strategy=_strategy(strategy),
         max_steps=steps,
         logger=False,
         callbacks=callbacks,
@@ -85,6 +97,7 @@ def run_rank(mode: str, steps: int, width: int, depth: int, log_every: int) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=("ddp", "tp"), default="ddp")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=4)
@@ -96,10 +109,11 @@ def main() -> None:
     step_times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.repeats):
         for mode in modes:
-            per_rank = launch(run_rank, 2, mode, args.steps, args.width, args.depth, args.log_every)
+            per_rank = launch(run_rank, 2, args.strategy, mode, args.steps, args.width, args.depth, args.log_every)
             step_times[mode].append(statistics.median(per_rank[0][args.warmup :]))
     best = {mode: min(step_times[mode]) for mode in modes}
-    print(f"DDP, 2 CPU ranks, width={args.width} depth={args.depth}, {args.steps} steps x {args.repeats} runs")
+    shape = f"width={args.width} depth={args.depth}"
+    print(f"{args.strategy}, 2 CPU ranks, {shape}, {args.steps} steps x {args.repeats} runs")
     print(f"{'mode':>6}  {'best-run median step ms':>23}  {'all runs':>24}  {'overhead':>8}")
     for mode in modes:
         runs = " ".join(f"{t * 1e3:.1f}" for t in step_times[mode])
