@@ -153,7 +153,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
     checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
     all_callbacks = [history, *callbacks]
     if cfg.trainer.telemetry:
-        all_callbacks.append(Telemetry(peak_tflops=cfg.cluster.peak_tflops))
+        all_callbacks.append(Telemetry(peak_tflops=cfg.cluster.peak_tflops, track_comm=cfg.trainer.track_comm))
     if cfg.trainer.enable_checkpointing:
         all_callbacks.append(checkpoint)
     trainer = pl.Trainer(
