@@ -191,7 +191,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         # nested form has one "param_groups" entry per optimizer, which DCP keeps from a single rank; pipeline ranks
         # hold different parameters, so the others would lose their groups on load (torchtitan flattens too).
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self.model, optimizer, options=_OPTIM_STATE_SAVE)
 
     @override
