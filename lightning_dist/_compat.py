@@ -88,3 +88,14 @@ def checkpoint_metadata_file() -> str:
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
     return _METADATA_FILENAME
+
+
+def run_atexit_handlers() -> None:
+    """Run the interpreter's ``atexit`` handlers now (``atexit._run_exitfuncs``, private to CPython).
+
+    The launcher ends a finished rank with ``os._exit`` to skip a shutdown that can abort in gloo's destructors; the
+    handlers (W&B's, logging's) must still run first, while the interpreter is whole.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()

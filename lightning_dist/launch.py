@@ -14,14 +14,19 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_dist._compat import run_atexit_handlers
 
 #: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
 _EXTERNAL_LAUNCH_VARS = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
@@ -76,12 +81,34 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: in
         context = mp.start_processes(
             _run_rank, args=(fn, args, env, threads, results), nprocs=nprocs, start_method="spawn", join=False
         )
-        try:
-            while not context.join():  # returns when all ranks finished; raises (and terminates the rest) on failure
-                pass
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            raise _failure(results, [p.exitcode for p in context.processes], err.error_index) from None
+        _wait_for_ranks(context.processes, results)
         return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
+
+
+def _wait_for_ranks(processes: list, results: Path) -> None:
+    """Wait for every rank; on the first one that fails before delivering its result, stop the rest and raise.
+
+    A rank that dies *after* writing its result (a crash in native destructors on the way out) has done its work:
+    that is a warning naming the rank, not a failed job.
+    """
+    running = {process.sentinel: rank for rank, process in enumerate(processes)}
+    while running:
+        for sentinel in wait_for_exit(list(running)):
+            rank = running.pop(sentinel)
+            processes[rank].join()
+            code = processes[rank].exitcode
+            if code == 0:
+                continue
+            if (results / f"{rank}.out").exists():
+                message = f"rank {rank} {_exit_reason(code)} after returning its result."
+                warnings.warn(message, RuntimeWarning, stacklevel=3)  # points at the caller of launch()
+                continue
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in processes:
+                process.join()
+            raise _failure(results, [process.exitcode for process in processes], rank)
 
 
 def _run_rank(
@@ -98,10 +125,24 @@ def _run_rank(
         (results / f"{local_rank}.err").write_bytes(pickle.dumps(record))
         raise
     (results / f"{local_rank}.out").write_bytes(pickle.dumps(result))
-    # A process that exits with a live gloo group can abort in its C++ destructors ("terminate called without an
-    # active exception", SIGABRT) after its work succeeded: close the group the rank opened.
+    _exit_without_finalization()
+
+
+def _exit_without_finalization() -> None:
+    """End a rank whose work succeeded, skipping the interpreter's shutdown.
+
+    Gloo's worker threads can still hold finished async work (pipeline sends and receives) whose tensors point back
+    into Python; when interpreter finalization destroys them, the process aborts ("terminate called without an active
+    exception", SIGABRT) at random, after the result was written, and the launcher would report a finished rank as
+    dead (seen in CI on pipeline tests, pytorch/pytorch#179291). So: close the process groups, run the atexit
+    handlers while the interpreter is whole (W&B, logging), flush, and leave with ``os._exit``.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    run_atexit_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _failure(results: Path, exit_codes: list[int | None], first_noticed: int) -> RankFailedError:
@@ -115,10 +156,13 @@ def _failure(results: Path, exit_codes: list[int | None], first_noticed: int) ->
     for rank, code in enumerate(exit_codes):
         if code is None or code == 0 or rank in recorded or code == -signal.SIGTERM:
             continue
-        reason = f"died (exit code {code})" if code > 0 else f"was killed by signal {signal.Signals(-code).name}"
-        return RankFailedError(rank, reason)
+        return RankFailedError(rank, _exit_reason(code))
     if recorded:
         rank = min(recorded, key=lambda r: (recorded[r].stat().st_mtime_ns, r))
         record = pickle.loads(recorded[rank].read_bytes())
         return RankFailedError(rank, record["message"], record["details"])
     return RankFailedError(first_noticed, f"failed (exit code {exit_codes[first_noticed]})")
+
+
+def _exit_reason(code: int) -> str:
+    return f"died (exit code {code})" if code > 0 else f"was killed by signal {signal.Signals(-code).name}"

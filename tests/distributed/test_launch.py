@@ -43,6 +43,18 @@ def _rank_one_raises() -> None:
     dist.barrier()
 
 
+def _finishes_then_runs_atexit(marker_dir: str, abort_on_exit: bool) -> int:
+    import atexit
+    from pathlib import Path
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    atexit.register(lambda: (Path(marker_dir) / f"atexit-{rank}").touch())  # like wandb's and logging's handlers
+    if abort_on_exit and rank == 1:
+        atexit.register(os.abort)  # a native crash on the way out, after the work is done (gloo's destructors in CI)
+    return rank
+
+
 def test_results_come_back_by_rank() -> None:
     assert launch(_rank_and_sum, 2) == [(0, 3), (1, 3)]
 
@@ -63,3 +75,15 @@ def test_a_failing_rank_reports_its_own_error_not_the_others() -> None:
 def test_a_killed_rank_is_named_as_the_cause() -> None:
     with pytest.raises(RankFailedError, match=r"rank 1: was killed by signal SIGKILL"):
         launch(_rank_one_is_killed, 2)
+
+
+def test_atexit_handlers_run_in_every_rank(tmp_path) -> None:
+    """Ranks leave with os._exit to skip a shutdown that can abort; W&B and logging still finish in atexit."""
+    assert launch(_finishes_then_runs_atexit, 2, str(tmp_path), False) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1"]
+
+
+def test_a_crash_after_the_result_is_a_warning_not_a_failed_job(tmp_path) -> None:
+    """CI saw SIGABRT ("terminate called without an active exception") from a pipeline rank that had finished."""
+    with pytest.warns(RuntimeWarning, match=r"rank 1 was killed by signal SIGABRT after returning its result"):
+        assert launch(_finishes_then_runs_atexit, 2, str(tmp_path), True) == [0, 1]

@@ -201,7 +201,7 @@ class _Sleep(torch.autograd.Function):
 
 class SleepBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(super().forward(x), 0.02)
+        return _Sleep.apply(super().forward(x), 0.05)  # scheduling noise on a busy CI box stays within atol
 
 
 class SleepModel(SequentialModel):
