@@ -11,6 +11,32 @@ per-batch hooks and of one tracked vs untracked ``all_reduce`` (1-rank gloo grou
 
 The "full" configuration includes what tracking costs on CPU beyond the bookkeeping: the DDP comm hook (Python)
 instead of DDP's built-in C++ all-reduce, and the wrapper waiting for each all-reduce (no overlap with backward).
+
+Results (2026-11-23, 2-core CPU VM, torch 2.13.0+cpu, gloo; defaults: width 128, depth 4, 60 steps x 4 runs)::
+
+    .venv/bin/python benchmarks/telemetry_overhead.py --strategy ddp
+
+      mode  best-run median step ms                  all runs  overhead
+       off                    41.45       43.5 42.1 41.4 43.3      0.0%
+     light                    37.45       43.6 43.8 40.4 37.4     -9.6%
+      full                    45.38       45.4 46.7 49.0 45.6      9.5%
+    per-batch hooks: 1.79 us; all_reduce(16 floats, 1-rank gloo): untracked 56.48 us, tracked 53.91 us
+
+    .venv/bin/python benchmarks/telemetry_overhead.py --strategy tp
+
+      mode  best-run median step ms                  all runs  overhead
+       off                    63.21       64.3 65.8 64.1 63.2      0.0%
+     light                    58.96       62.2 66.6 59.0 65.8     -6.7%
+      full                    59.21       64.8 67.1 63.0 59.2     -6.3%
+    per-batch hooks: 1.01 us; all_reduce(16 floats, 1-rank gloo): untracked 62.53 us, tracked 56.68 us
+
+Reading: run-to-run noise on this machine is about +-7% of a step, more than the 3% target, so the step-time rows
+bound the always-on cost only loosely; the in-process numbers pin it down: 1-2 us of hooks per batch (0.004% of a
+40 ms step) and no measurable cost per tracked collective. Comm tracking under TP costs nothing measurable. Under DDP
+on CPU it costs about 10% (all four runs 45-49 ms vs 41-44 ms): the Python comm hook and the wait per bucket take
+away the overlap of all-reduce with backward. That is above the 3% target; ``trainer.track_comm=false`` (or
+``Telemetry(track_comm=False)``) turns it off. Not measured on a GPU, where the tracker records CUDA events and
+does not wait.
 """
 
 from __future__ import annotations
