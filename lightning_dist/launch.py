@@ -124,7 +124,10 @@ def _run_rank(
         record = {"message": f"{type(err).__name__}: {err}".splitlines()[0], "details": traceback.format_exc()}
         (results / f"{local_rank}.err").write_bytes(pickle.dumps(record))
         raise
-    (results / f"{local_rank}.out").write_bytes(pickle.dumps(result))
+    # Written whole, then renamed: the launcher takes an existing .out as "this rank delivered".
+    partial = results / f"{local_rank}.out.partial"
+    partial.write_bytes(pickle.dumps(result))
+    os.replace(partial, results / f"{local_rank}.out")
     _exit_without_finalization()
 
 
