@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -54,7 +55,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: int | None = None) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    threads_per_rank: int | None = None,
+    exit_grace_s: float = 60.0,
+) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` spawned ranks of one node and return each rank's result, by rank.
 
     Args:
@@ -63,6 +70,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: in
             isolated exactly like a multi-rank one.
         *args: Passed to ``fn`` on every rank.
         threads_per_rank: CPU threads per rank; default shares the machine's cores evenly.
+        exit_grace_s: Once every rank still running has returned its result, how long to wait for them to exit
+            before terminating them (a native destructor that hangs on the way out must not hang the job).
 
     Raises:
         RankFailedError: The first rank that raised or died, with its one-line reason.
@@ -81,19 +90,33 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, threads_per_rank: in
         context = mp.start_processes(
             _run_rank, args=(fn, args, env, threads, results), nprocs=nprocs, start_method="spawn", join=False
         )
-        _wait_for_ranks(context.processes, results)
+        _wait_for_ranks(context.processes, results, exit_grace_s)
         return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
 
 
-def _wait_for_ranks(processes: list, results: Path) -> None:
+def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None:
     """Wait for every rank; on the first one that fails before delivering its result, stop the rest and raise.
 
     A rank that dies *after* writing its result (a crash in native destructors on the way out) has done its work:
-    that is a warning naming the rank, not a failed job.
+    that is a warning naming the rank, not a failed job. So is one that has not exited ``exit_grace_s`` after every
+    running rank delivered (a hang on the way out): it is terminated.
     """
     running = {process.sentinel: rank for rank, process in enumerate(processes)}
+    all_delivered_at: float | None = None
     while running:
-        for sentinel in wait_for_exit(list(running)):
+        exited = wait_for_exit(list(running), timeout=1.0)
+        if not exited:
+            if not all((results / f"{rank}.out").exists() for rank in running.values()):
+                continue
+            all_delivered_at = all_delivered_at or time.monotonic()
+            if time.monotonic() - all_delivered_at < exit_grace_s:
+                continue
+            for rank in sorted(running.values()):
+                _stop(processes[rank])
+                message = f"rank {rank} had not exited {exit_grace_s:g} s after returning its result; terminated."
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return
+        for sentinel in exited:
             rank = running.pop(sentinel)
             processes[rank].join()
             code = processes[rank].exitcode
@@ -109,6 +132,15 @@ def _wait_for_ranks(processes: list, results: Path) -> None:
             for process in processes:
                 process.join()
             raise _failure(results, [process.exitcode for process in processes], rank)
+
+
+def _stop(process: Any) -> None:
+    """SIGTERM, then SIGKILL if the process ignores it (a thread stuck in native code may)."""
+    process.terminate()
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def _run_rank(

@@ -43,6 +43,16 @@ def _rank_one_raises() -> None:
     dist.barrier()
 
 
+def _rank_one_hangs_on_the_way_out(work_s: float) -> int:
+    import atexit
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        time.sleep(work_s)  # slow work, not a hang: the grace period starts only once every rank has delivered
+        atexit.register(time.sleep, 3600)  # a native destructor that never returns
+    return rank
+
+
 def _finishes_then_runs_atexit(marker_dir: str, abort_on_exit: bool) -> int:
     import atexit
     from pathlib import Path
@@ -87,3 +97,10 @@ def test_a_crash_after_the_result_is_a_warning_not_a_failed_job(tmp_path) -> Non
     """CI saw SIGABRT ("terminate called without an active exception") from a pipeline rank that had finished."""
     with pytest.warns(RuntimeWarning, match=r"rank 1 was killed by signal SIGABRT after returning its result"):
         assert launch(_finishes_then_runs_atexit, 2, str(tmp_path), True) == [0, 1]
+
+
+def test_a_hang_after_the_result_is_cut_short_with_a_warning() -> None:
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"rank 1 had not exited 1 s after returning its result; terminated"):
+        assert launch(_rank_one_hangs_on_the_way_out, 2, 3.0, exit_grace_s=1.0) == [0, 1]
+    assert time.monotonic() - start < 30  # 3 s of work + 1 s of grace + start-up, not the hour of the hang
