@@ -42,6 +42,7 @@ does not wait.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Any
@@ -75,13 +76,21 @@ class TinyLM(pl.LightningModule):
         )
         self.head = nn.Linear(width, vocab)
 
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(inputs)))
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        logits = self.head(self.blocks(self.emb(inputs)))
+        logits = self(inputs)
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+#: off: no callback; light: Telemetry(track_comm=False); counted: comm tracked, never timed; sampled: the default
+#: (one timed step per logging window on CPU); every: every step timed.
+MODES = ("off", "light", "counted", "sampled", "every")
 
 
 def _strategy(name: str) -> Any:
@@ -105,7 +114,14 @@ def run_rank(strategy: str, mode: str, steps: int, width: int, depth: int, log_e
     clock = StepClock()
     callbacks: list[pl.Callback] = [clock]
     if mode != "off":
-        callbacks.append(Telemetry(log_every_n_steps=log_every, track_comm=mode == "full", print_summary=False))
+        timing_every = {"light": None, "counted": 10**9, "sampled": None, "every": 1}[mode]
+        telemetry = Telemetry(
+            log_every_n_steps=log_every,
+            track_comm=mode != "light",
+            comm_timing_every_n_steps=timing_every,
+            print_summary=False,
+        )
+        callbacks.append(telemetry)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -130,26 +146,35 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--paired-rounds", type=int, default=40)
     args = parser.parse_args()
-    modes = ("off", "light", "full")
-    step_times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(args.repeats):
-        for mode in modes:
+    # Mean, not median, step time: a sampled mode is slower on one step in log_every, which a median would hide.
+    step_times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for r in range(args.repeats):
+        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # rotated: no mode always runs first
             per_rank = launch(run_rank, 2, args.strategy, mode, args.steps, args.width, args.depth, args.log_every)
-            step_times[mode].append(statistics.median(per_rank[0][args.warmup :]))
-    best = {mode: min(step_times[mode]) for mode in modes}
+            step_times[mode].append(statistics.fmean(per_rank[0][args.warmup :]))
+    best = {mode: min(step_times[mode]) for mode in MODES}
     shape = f"width={args.width} depth={args.depth}"
-    print(f"{args.strategy}, 2 CPU ranks, {shape}, {args.steps} steps x {args.repeats} runs")
-    print(f"{'mode':>6}  {'best-run median step ms':>23}  {'all runs':>24}  {'overhead':>8}")
-    for mode in modes:
+    runs = f"{args.steps} steps x {args.repeats} runs, log every {args.log_every}"
+    print(f"{args.strategy}, 2 CPU ranks, {shape}, {runs}")
+    print(f"{'mode':>8}  {'best-run mean step ms':>21}  {'all runs':>36}  {'best vs best':>12}  {'paired median':>13}")
+    for mode in MODES:
         runs = " ".join(f"{t * 1e3:.1f}" for t in step_times[mode])
-        print(f"{mode:>6}  {best[mode] * 1e3:23.2f}  {runs:>24}  {(best[mode] / best['off'] - 1) * 100:7.1f}%")
-    hook_us, tracked_us, plain_us = launch(micro_costs, 1)[0]
+        # Each run against the "off" run of the same round (run back to back, so drift cancels).
+        paired = statistics.median(t / off for t, off in zip(step_times[mode], step_times["off"]))
+        over = (best[mode] / best["off"] - 1) * 100
+        print(f"{mode:>8}  {best[mode] * 1e3:21.2f}  {runs:>36}  {over:11.1f}%  {(paired - 1) * 100:12.1f}%")
+    hook_us, plain_us, counted_us, timed_us = launch(micro_costs, 1)[0]
     print(
-        f"per-batch hooks: {hook_us:.2f} us; all_reduce(16 floats, 1-rank gloo): "
-        f"untracked {plain_us:.2f} us, tracked {tracked_us:.2f} us"
+        f"per-batch hooks: {hook_us:.2f} us; all_reduce(16 floats, 1-rank gloo): untracked {plain_us:.2f} us, "
+        f"counted {counted_us:.2f} us, timed {timed_us:.2f} us"
     )
-    print(f"bookkeeping per collective: {tracked_us - plain_us:.2f} us")
+    if args.strategy == "ddp":
+        paired = launch(paired_ddp, 2, args.paired_rounds, args.log_every, args.width, args.depth, args.log_every)[0]
+        print(f"DDP in one launch, {args.paired_rounds} interleaved blocks of {args.log_every} steps per mode:")
+        for name, ms in paired.items():
+            print(f"{name:>8}  {ms:6.2f} ms  {(ms / paired['off'] - 1) * 100:5.1f}%")
 
 
 def micro_costs(calls: int = 20000) -> tuple[float, float, float]:
@@ -185,10 +210,73 @@ def micro_costs(calls: int = 20000) -> tuple[float, float, float]:
 
     hooks = best(per_batch)
     plain = best(reduce)
-    with CommTracker():
-        tracked = best(reduce)
+    with CommTracker(timing=False):
+        counted = best(reduce)
+    with CommTracker(timing=True):
+        timed = best(reduce)
     dist.destroy_process_group()
-    return hooks, tracked, plain
+    return hooks, plain, counted, timed
+
+
+def paired_ddp(rounds: int, block: int, width: int, depth: int, timing_every: int) -> dict[str, float]:
+    """Mean DDP step ms per mode, measured in the same two processes, in interleaved blocks of ``block`` steps.
+
+    Two replicas of the model: one with DDP's built-in C++ all-reduce ("off"), one with the tracker's comm hook.
+    The hooked one runs counted only, timed on one step in ``timing_every`` (the callback's CPU default when that
+    is the logging period), and timed every step. Interleaving blocks within one launch cancels the launch-to-launch
+    noise of this machine, which is larger than the effect.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_dist.telemetry import CommTracker, register_ddp_comm_hook
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    vocab, seq, batch = 256, 64, 8
+    plain, hooked = DDP(TinyLM(vocab, width, depth)), DDP(TinyLM(vocab, width, depth))
+    register_ddp_comm_hook(hooked)
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (plain, hooked)}
+    inputs, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    tracker = CommTracker(timing=False).install()
+
+    def step(model: DDP) -> None:
+        logits = model(inputs)
+        nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        optimizers[id(model)].step()
+        optimizers[id(model)].zero_grad()
+
+    modes = {
+        "off": (plain, lambda i: False),
+        "counted": (hooked, lambda i: False),
+        "sampled": (hooked, lambda i: (i + 1) % timing_every == 0),
+        "every": (hooked, lambda i: True),
+    }
+    totals = dict.fromkeys(modes, 0.0)
+    counter = dict.fromkeys(modes, 0)
+    for model, _ in modes.values():  # warm-up
+        for _ in range(block):
+            step(model)
+    for r in range(rounds):
+        for name in list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]:  # rotate the order
+            model, timed = modes[name]
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(block):
+                tracker.timing = timed(counter[name])
+                counter[name] += 1
+                step(model)
+            totals[name] += time.perf_counter() - start
+    tracker.uninstall()
+    result = {name: totals[name] / counter[name] * 1e3 for name in modes}
+    # Free the DDP reducers (and their hook futures) while the process group still exists: torn down after it,
+    # they hung one launch in a few here.
+    modes.clear()
+    optimizers.clear()
+    del plain, hooked, model
+    gc.collect()  # DDP's reducer sits in reference cycles: collect it now, not at some allocation after the destroy
+    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
             f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len."
         )
+    every = cfg.trainer.comm_timing_every_n_steps
+    if every is not None and every < 1:
+        raise ValueError(
+            f"trainer.comm_timing_every_n_steps={every} must be >= 1, or null (every step on CUDA, "
+            "once per logging window on CPU)."
+        )
     validate_data_config(cfg.data)
     TokenDataModule(cfg.data, seed=cfg.seed).setup()  # missing / empty files fail here, before any rank starts
     if par.strategy in ("tensor_parallel", "pipeline_parallel"):
@@ -153,7 +159,12 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
     checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
     all_callbacks = [history, *callbacks]
     if cfg.trainer.telemetry:
-        all_callbacks.append(Telemetry(peak_tflops=cfg.cluster.peak_tflops, track_comm=cfg.trainer.track_comm))
+        telemetry = Telemetry(
+            peak_tflops=cfg.cluster.peak_tflops,
+            track_comm=cfg.trainer.track_comm,
+            comm_timing_every_n_steps=cfg.trainer.comm_timing_every_n_steps,
+        )
+        all_callbacks.append(telemetry)
     if cfg.trainer.enable_checkpointing:
         all_callbacks.append(checkpoint)
     trainer = pl.Trainer(

@@ -1,8 +1,11 @@
 """The ``Telemetry`` callback: ``perf/``, ``comm/<axis>/``, ``memory/`` and ``pipeline/`` metrics every few steps.
 
-Always on (cheap): two clock reads per batch and, per collective, a dict lookup and three additions (see
-:mod:`lightning_dist.telemetry.comm`). At logging steps only: one all-reduce of a small tensor for the min / max
-across ranks, CUDA event reads, and a write to the loggers.
+Always on (cheap): two clock reads per batch and, per collective, a dict lookup and two additions (calls and bytes,
+see :mod:`lightning_dist.telemetry.comm`). Sampled: the *time* of collectives, on one optimizer step in
+``comm_timing_every_n_steps`` (on CPU a host timer has to wait for each collective, which takes away its overlap with
+compute, so by default only the last step of each logging window is timed; CUDA events cost no wait and time every
+step). At logging steps only: one all-reduce of a small tensor for the min / max across ranks, CUDA event reads, and
+a write to the loggers.
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ class Telemetry(pl.Callback):
       share a batch count it once), ``perf/tokens_per_sec_per_device`` (global / world size),
       ``perf/samples_per_sec``, ``perf/tflops_per_device`` and ``perf/mfu`` (when FLOPs per token and a peak are
       known).
-    - ``comm/<axis>/ms`` (+ ``_min`` / ``_max``), ``comm/<axis>/bytes``, ``comm/<axis>/calls``,
-      ``comm/<axis>/busbw_gbps`` for the axes ``dp``, ``tp``, ``pp`` (and ``world`` / ``other`` for groups that are
-      no single axis), ``comm/total_ms`` (+ ``_min`` / ``_max``), ``comm/fraction`` of the step time.
+    - ``comm/<axis>/calls`` and ``comm/<axis>/bytes`` (every step counted) for the axes ``dp``, ``tp``, ``pp`` (and
+      ``world`` / ``other`` for groups that are no single axis); from the timed steps of the window:
+      ``comm/<axis>/ms`` (+ ``_min`` / ``_max``), ``comm/<axis>/busbw_gbps``, ``comm/total_ms`` (+ ``_min`` /
+      ``_max``), ``comm/fraction`` (of the timed steps' time from batch start to end) and ``comm/timed_steps``.
+      A window without a timed step (``comm_timing_every_n_steps`` larger than the logging period) logs no times.
     - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), max over ranks.
     - ``pipeline/bubble_fraction`` (and its min / max over ranks) under ``PipelineParallelStrategy``.
 
@@ -77,8 +82,11 @@ class Telemetry(pl.Callback):
         flops_per_token: Training FLOPs (forward + backward) per token; default ``pl_module.flops_per_token`` or
             ``pl_module.model.flops_per_token(seq_len)``. Without it TFLOP/s and MFU are omitted.
         peak_tflops: Peak TFLOP/s per device for MFU; default from the table for known CUDA devices (omitted on CPU).
-        track_comm: Intercept collectives (see :mod:`lightning_dist.telemetry.comm`). On CPU this waits for each
-            collective inside the call, which serializes communication with compute.
+        track_comm: Intercept collectives (see :mod:`lightning_dist.telemetry.comm`): count every call and time a
+            sample of the steps.
+        comm_timing_every_n_steps: Time the collectives of one optimizer step in this many (the steps whose 1-based
+            number is a multiple of it). Default: every step on CUDA; on other devices the logging period, i.e. the
+            last step of each window, because timing there waits for each collective inside the call.
         print_summary: Print the end-of-fit tables on rank 0.
     """
 
@@ -88,14 +96,21 @@ class Telemetry(pl.Callback):
         flops_per_token: float | None = None,
         peak_tflops: float | None = None,
         track_comm: bool = True,
+        comm_timing_every_n_steps: int | None = None,
         print_summary: bool = True,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
+        if comm_timing_every_n_steps is not None and comm_timing_every_n_steps < 1:
+            raise ValueError(
+                f"comm_timing_every_n_steps={comm_timing_every_n_steps} must be >= 1 "
+                "(or None: every step on CUDA, once per logging window elsewhere)."
+            )
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
         self.track_comm = track_comm
+        self.comm_timing_every_n_steps = comm_timing_every_n_steps
         self.print_summary = print_summary
         #: Every logged metrics dict (on every rank; the numbers are the same everywhere after the cross-rank sync).
         self.history: list[dict[str, float]] = []
@@ -106,6 +121,11 @@ class Telemetry(pl.Callback):
 
     def _reset_fit_state(self) -> None:
         self._every = 1
+        self._time_every = 1
+        self._timing_decided_for = -1  # the optimizer step whose timing was last decided
+        self._timed_step_began = 0.0
+        self._timed_steps = 0
+        self._timed_seconds = 0.0
         self._dims: Any = None
         self._world_size = 1
         self._dp_size = 1
@@ -140,7 +160,8 @@ class Telemetry(pl.Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         if self.track_comm and dist.is_available() and dist.is_initialized() and self._world_size > 1:
             groups = axis_groups_from_mesh(self._dims.mesh) if self._dims is not None else None
-            self.tracker = CommTracker(groups, device_type=self._device.type).install()
+            self._time_every = self.comm_timing_every_n_steps or (1 if self._device.type == "cuda" else self._every)
+            self.tracker = CommTracker(groups, device_type=self._device.type, timing=False).install()
             model = trainer.strategy.model
             if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not register_ddp_comm_hook(model):
                 pl.utilities.rank_zero_warn(
@@ -164,6 +185,11 @@ class Telemetry(pl.Callback):
             self._window_start = now
         if self._last_end is not None:
             self._data_seconds += now - self._last_end  # the dataloader ran between the two hooks
+        if self.tracker is not None and self._timing_decided_for != trainer.global_step:
+            # First batch of an optimizer step (more follow under gradient accumulation): time it, or only count.
+            self._timing_decided_for = trainer.global_step
+            self.tracker.timing = (trainer.global_step + 1) % self._time_every == 0
+            self._timed_step_began = now  # not the data loading before it (nor a validation run)
         samples, tokens = batch_size_and_tokens(batch)
         self._samples += samples
         self._tokens += tokens
@@ -178,6 +204,10 @@ class Telemetry(pl.Callback):
         self._steps_in_window += trainer.global_step - self._last_global_step
         self._num_steps += trainer.global_step - self._last_global_step
         self._last_global_step = trainer.global_step
+        if self.tracker is not None and self.tracker.timing:
+            self._timed_steps += 1
+            self._timed_seconds += now - self._timed_step_began
+            self.tracker.timing = False  # validation and logging between steps are counted, not timed
         if trainer.global_step % self._every == 0:
             self._log(trainer, pl_module, now)
             self._last_end = perf_counter()  # the logging itself is not data loading
@@ -193,16 +223,16 @@ class Telemetry(pl.Callback):
         comm = self._comm_since_last_log()
         per_axis: dict[str, OpStats] = {}
         for (axis, _op), stats in comm.items():
-            total = per_axis.setdefault(axis, OpStats())
-            total.count += stats.count
-            total.bytes += stats.bytes
-            total.bus_bytes += stats.bus_bytes
-            total.seconds += stats.seconds
+            per_axis.setdefault(axis, OpStats()).add(stats)
+        timed = self._timed_steps  # the same on every rank (it follows global_step), so are the keys below
         for axis in AXIS_ORDER:
             stats = per_axis.get(axis, OpStats())
-            local[f"comm/{axis}/ms"] = stats.seconds / steps * 1e3
             local[f"comm/{axis}/calls"] = stats.count / steps
-        local["comm/total_ms"] = sum(s.seconds for s in per_axis.values()) / steps * 1e3
+            if timed:
+                local[f"comm/{axis}/ms"] = stats.seconds / timed * 1e3
+        if timed:
+            local["comm/total_ms"] = sum(s.seconds for s in per_axis.values()) / timed * 1e3
+            local["comm/timed_step_ms"] = self._timed_seconds / timed * 1e3
         if self._device.type == "cuda":
             local["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self._device) / _GIB
             local["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self._device) / _GIB
@@ -215,7 +245,7 @@ class Telemetry(pl.Callback):
         low, high = self._min_max(local)
 
         metrics: dict[str, float] = {}
-        synced = ("perf/step_ms", "perf/data_ms", "comm/total_ms") if self.tracker else ("perf/step_ms", "perf/data_ms")
+        synced = ("perf/step_ms", "perf/data_ms", "comm/total_ms") if timed else ("perf/step_ms", "perf/data_ms")
         for key in synced:
             metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
         metrics["perf/data_fraction"] = local["perf/data_ms"] / local["perf/step_ms"]
@@ -233,14 +263,16 @@ class Telemetry(pl.Callback):
             if high[f"comm/{axis}/calls"] == 0:  # the axis moved nothing on any rank
                 continue
             stats = per_axis.get(axis, OpStats())
-            metrics[f"comm/{axis}/ms"] = local[f"comm/{axis}/ms"]
-            metrics[f"comm/{axis}/ms_min"] = low[f"comm/{axis}/ms"]
-            metrics[f"comm/{axis}/ms_max"] = high[f"comm/{axis}/ms"]
             metrics[f"comm/{axis}/calls"] = local[f"comm/{axis}/calls"]
             metrics[f"comm/{axis}/bytes"] = stats.bytes / steps
-            metrics[f"comm/{axis}/busbw_gbps"] = stats.busbw_gbps
-        if self.tracker is not None:
-            metrics["comm/fraction"] = local["comm/total_ms"] / local["perf/step_ms"]
+            if timed:
+                metrics[f"comm/{axis}/ms"] = local[f"comm/{axis}/ms"]
+                metrics[f"comm/{axis}/ms_min"] = low[f"comm/{axis}/ms"]
+                metrics[f"comm/{axis}/ms_max"] = high[f"comm/{axis}/ms"]
+                metrics[f"comm/{axis}/busbw_gbps"] = stats.busbw_gbps
+        if timed:
+            metrics["comm/fraction"] = local["comm/total_ms"] / local["comm/timed_step_ms"]
+            metrics["comm/timed_steps"] = float(timed)
         for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/rss_gib"):
             if key in local:
                 metrics[key] = high[key]
@@ -256,6 +288,8 @@ class Telemetry(pl.Callback):
         self._steps_in_window = 0
         self._data_seconds = 0.0
         self._tokens = self._samples = 0
+        self._timed_steps = 0
+        self._timed_seconds = 0.0
 
     def _comm_since_last_log(self) -> dict[tuple[str, str], OpStats]:
         if self.tracker is None:
@@ -301,15 +335,16 @@ class Telemetry(pl.Callback):
             print(format_summary(self.tables, self._num_steps))
 
     def _comm_table(self) -> tuple[list[str], list[list[Any]]]:
-        columns = ["axis", "op", "calls", "MiB", "ms", "busbw_GBps"]
+        columns = ["axis", "op", "calls", "MiB", "timed_calls", "ms_per_call", "busbw_GBps"]
         if self.tracker is None:
             return columns, []
         totals = self.tracker.snapshot()
         order = {axis: i for i, axis in enumerate(AXIS_ORDER)}
-        rows = [
-            [axis, op, s.count, round(s.bytes / 2**20, 3), round(s.seconds * 1e3, 3), round(s.busbw_gbps, 3)]
-            for (axis, op), s in sorted(totals.items(), key=lambda item: (order.get(item[0][0], 99), item[0][1]))
-        ]
+        rows = []
+        for (axis, op), s in sorted(totals.items(), key=lambda item: (order.get(item[0][0], 99), item[0][1])):
+            ms_per_call = s.seconds * 1e3 / s.timed_count if s.timed_count else float("nan")
+            mib = round(s.bytes / 2**20, 3)
+            rows.append([axis, op, s.count, mib, s.timed_count, round(ms_per_call, 3), round(s.busbw_gbps, 3)])
         return columns, rows
 
     def _layout_table(self, trainer: pl.Trainer) -> tuple[list[str], list[list[Any]]]:

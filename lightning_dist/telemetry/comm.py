@@ -19,6 +19,10 @@ exists, ``funcol.all_gather_tensor``...) call a base function through the module
 per-thread depth counter keeps calls made *inside* a tracked call (the ``isend`` calls of ``batch_isend_irecv``)
 from being counted twice.
 
+Counting (calls, bytes) is exact and always on. Timing can be switched per step (:attr:`CommTracker.timing`): an
+untimed call goes straight through (no wait, no events), so the ``Telemetry`` callback times a sample of the steps
+where timing is expensive (CPU) and counts every step.
+
 Timing:
 
 - CPU (gloo): the wrapper waits for an asynchronous collective before it returns, so the time is the collective's
@@ -82,24 +86,33 @@ class OpStats:
 
     count: int = 0
     bytes: int = 0  # nccl-tests "size", summed over calls
-    bus_bytes: float = 0.0  # bytes x bus factor, so that bus_bytes / seconds is nccl-tests' busbw
-    seconds: float = 0.0
+    seconds: float = 0.0  # of the timed calls only
+    timed_count: int = 0
+    timed_bus_bytes: float = 0.0  # bytes x bus factor of the timed calls: / seconds is nccl-tests' busbw
 
     def copy(self) -> OpStats:
-        return OpStats(self.count, self.bytes, self.bus_bytes, self.seconds)
+        return OpStats(self.count, self.bytes, self.seconds, self.timed_count, self.timed_bus_bytes)
+
+    def add(self, other: OpStats) -> None:
+        self.count += other.count
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+        self.timed_count += other.timed_count
+        self.timed_bus_bytes += other.timed_bus_bytes
 
     def minus(self, other: OpStats) -> OpStats:
         return OpStats(
             self.count - other.count,
             self.bytes - other.bytes,
-            self.bus_bytes - other.bus_bytes,
             self.seconds - other.seconds,
+            self.timed_count - other.timed_count,
+            self.timed_bus_bytes - other.timed_bus_bytes,
         )
 
     @property
     def busbw_gbps(self) -> float:
-        """Achieved bus bandwidth in GB/s (1e9 bytes), 0 when no time was measured."""
-        return self.bus_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Achieved bus bandwidth of the timed calls in GB/s (1e9 bytes), 0 when no time was measured."""
+        return self.timed_bus_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class _Spec(NamedTuple):
@@ -200,13 +213,23 @@ class CommTracker:
         axis_groups: Process groups of each axis, e.g. ``{"dp": [mesh["dp"].get_group()], "tp": [...]}``
             (see :func:`axis_groups_from_mesh`). ``None`` (Lightning's DDP / FSDP): the default group is ``dp``.
         device_type: ``"cuda"`` times with CUDA events; anything else with the host clock.
+        timing: Initial value of :attr:`timing`.
 
     Use as a context manager, or :meth:`install` / :meth:`uninstall`. Only one tracker can be installed at a time.
+
+    Attributes:
+        timing: Time the calls made while it is True (count them either way). Set it per step to time a sample.
     """
 
-    def __init__(self, axis_groups: Mapping[str, Sequence[dist.ProcessGroup]] | None = None, device_type: str = "cpu"):
+    def __init__(
+        self,
+        axis_groups: Mapping[str, Sequence[dist.ProcessGroup]] | None = None,
+        device_type: str = "cpu",
+        timing: bool = True,
+    ):
         self.use_cuda_events = device_type == "cuda"
         self.enabled = True
+        self.timing = timing
         self.stats: dict[tuple[str, str], OpStats] = {}
         self._pending: list[tuple[OpStats, Any, Any]] = []  # CUDA (stats, start, end) events not read yet
         self._axis_by_key: dict[Any, tuple[str, int]] = {}  # id(group) / group name -> (axis, group size)
@@ -254,8 +277,9 @@ class CommTracker:
             pg = group[0].get_group(group[1])
         else:  # 1-D DeviceMesh
             pg = group.get_group()
-        if id(pg) in self._axis_by_key:
-            return self._axis_by_key[id(pg)]
+        known = self._axis_by_key.get(id(pg)) or self._axis_by_key.get(pg.group_name)
+        if known is not None:
+            return known
         ranks = tuple(dist.get_process_group_ranks(pg))
         axis = self._axis_by_ranks.get(ranks)
         if axis is None:
@@ -276,11 +300,16 @@ class CommTracker:
         return self
 
     def uninstall(self) -> None:
-        """Put torch's functions back."""
+        """Put torch's functions back, and let go of the process groups the tracker has seen."""
         global _ACTIVE
         if _ACTIVE is self:
             _ACTIVE = None
             _unpatch_all()
+        # A gloo group whose last reference dies after destroy_process_group() is destroyed outside torch's own
+        # shutdown, and that hung a rank now and then (its destructor joins threads that wait for the GIL).
+        # Forget the id-keyed entries with the objects: an id can be reused once the object is gone.
+        self._keep_alive.clear()
+        self._axis_by_key = {key: value for key, value in self._axis_by_key.items() if not isinstance(key, int)}
 
     def __enter__(self) -> CommTracker:
         return self.install()
@@ -332,9 +361,12 @@ class CommTracker:
         stats = self._stats_for(axis, spec.op)
         stats.count += 1
         stats.bytes += nbytes
-        stats.bus_bytes += nbytes * BUS_FACTORS[spec.op](size)
         _local.depth = _depth() + 1
         try:
+            if not self.timing:  # counted only: the call runs (and overlaps) exactly as without the tracker
+                return fn(*args, **kwargs)
+            stats.timed_count += 1
+            stats.timed_bus_bytes += nbytes * BUS_FACTORS[spec.op](size)
             if self.use_cuda_events:
                 return self._call_cuda(fn, args, kwargs, kind, stats)
             start = perf_counter()
@@ -380,13 +412,15 @@ class CommTracker:
             stats = self._stats_for(axis, direction)
             stats.count += 1
             stats.bytes += _nbytes(p2p.tensor)
-            stats.bus_bytes += _nbytes(p2p.tensor)
+            if self.timing:
+                stats.timed_count += 1
+                stats.timed_bus_bytes += _nbytes(p2p.tensor)
         _local.depth = _depth() + 1
         try:
             works = fn(p2p_ops)
         finally:
             _local.depth -= 1
-        if self.use_cuda_events or not works:
+        if self.use_cuda_events or not works or not self.timing:
             return works
         if len(works) == len(p2p_ops):  # gloo: one work per op
             return [_TimedWork(w, self._stats_for(axis, d)) for w, d in zip(works, directions)]

@@ -81,6 +81,46 @@ def _measure(tracker: CommTracker, step: Callable[[], None], warmup: int, steps:
     return _per_axis(stats, steps)
 
 
+# ------------------------------------------------------------------------------- counted-only vs timed collectives
+LATE = 0.3  # seconds rank 1 arrives late at the all-reduce
+
+
+def _timing_rank() -> dict[bool, dict[str, float]]:
+    dist.init_process_group("gloo")
+    tensor, results = torch.ones(4), {}
+    for timing in (False, True):
+        tracker = CommTracker(timing=timing)
+        dist.barrier()
+        with tracker:
+            if dist.get_rank() == 1:
+                time.sleep(LATE)
+            start = time.perf_counter()
+            work = dist.all_reduce(tensor, async_op=True)
+            returned_after = time.perf_counter() - start
+            work.wait()
+            stats = tracker.snapshot()[("dp", "all_reduce")]
+        results[timing] = {
+            "returned_after": returned_after,
+            "calls": stats.count,
+            "bytes": stats.bytes,
+            "timed_calls": stats.timed_count,
+            "seconds": stats.seconds,
+        }
+    dist.destroy_process_group()
+    return results
+
+
+def test_an_untimed_collective_is_counted_but_not_waited_for() -> None:
+    untimed, timed = launch(_timing_rank, 2)[0].values()  # rank 0 waits LATE for rank 1 in the collective
+    assert untimed["calls"] == timed["calls"] == 1 and untimed["bytes"] == timed["bytes"] == 4 * 4
+    # Untimed: async_op returns at once (the overlap with compute is kept) and no time is recorded.
+    assert untimed["returned_after"] < LATE / 3
+    assert untimed["timed_calls"] == 0 and untimed["seconds"] == 0
+    # Timed on CPU: the wrapper waits, so the call takes as long as the collective.
+    assert timed["returned_after"] == pytest.approx(LATE, rel=0.5)
+    assert timed["timed_calls"] == 1 and timed["seconds"] == pytest.approx(timed["returned_after"], rel=0.05)
+
+
 # ------------------------------------------------------------------------------------ FSDP2 + TP on a 2 x 2 mesh
 D, H, LAYERS, BATCH = 16, 32, 2, 8
 
@@ -307,6 +347,13 @@ def test_ddp_all_reduce_bytes_equal_gradient_bytes(ddp: list[dict[str, Any]]) ->
         assert steady["comm/dp/calls"] == 2
         assert steady["comm/dp/ms_min"] <= steady["comm/dp/ms"] <= steady["comm/dp/ms_max"]
         assert 0 < steady["comm/fraction"] < 1
+        # Timing is sampled on CPU: the last step of each window (steps 4 and 8); every step is counted.
+        assert steady["comm/timed_steps"] == 1
+        rows = {(row[0], row[1]): row for row in rank["comm_table"][1]}
+        columns = rank["comm_table"][0]
+        all_reduce = dict(zip(columns, rows[("dp", "all_reduce")]))
+        # One gradient all-reduce per step (plus Lightning's own decisions outside steps); two of them timed.
+        assert all_reduce["calls"] >= STEPS and all_reduce["timed_calls"] == STEPS // EVERY
         assert "comm/tp/ms" not in steady and "comm/pp/ms" not in steady  # axes that do not exist stay out
 
 

@@ -32,7 +32,7 @@ def test_bus_factors_follow_nccl_tests() -> None:
     assert BUS_FACTORS["all_reduce"](4) == 1.5  # 2 (n - 1) / n
     assert BUS_FACTORS["all_gather"](4) == 0.75  # (n - 1) / n
     assert BUS_FACTORS["reduce_scatter"](2) == 0.5
-    assert OpStats(count=1, bytes=10**9, bus_bytes=1.5e9, seconds=0.5).busbw_gbps == 3.0
+    assert OpStats(count=2, bytes=2 * 10**9, seconds=0.5, timed_count=1, timed_bus_bytes=1.5e9).busbw_gbps == 3.0
 
 
 def test_tokens_of_a_batch() -> None:
