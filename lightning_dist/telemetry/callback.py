@@ -58,7 +58,8 @@ class Telemetry(pl.Callback):
     ``strategy.parallel_dims``) and with Lightning's ``DDPStrategy`` / ``FSDPStrategy`` (the default group is the
     ``dp`` axis). Metrics go to every logger of the Trainer on global rank 0 (W&B, CSV, ...).
 
-    Logged keys (per optimizer step, averaged over the steps since the last log):
+    Logged keys (per optimizer step, averaged over the steps since the last log; validation runs inside fit are
+    left out of every time):
 
     - ``perf/step_ms`` (+ ``_min`` / ``_max`` across ranks), ``perf/data_ms``, ``perf/data_fraction``,
       ``perf/tokens_per_sec`` (global: this rank's tokens x the data-parallel size, so the ``tp x pp`` ranks that
@@ -122,8 +123,9 @@ class Telemetry(pl.Callback):
     def _reset_fit_state(self) -> None:
         self._every = 1
         self._time_every = 1
-        self._timing_decided_for = -1  # the optimizer step whose timing was last decided
         self._timed_step_began = 0.0
+        self._validation_began: float | None = None
+        self._timing_before_validation = False
         self._timed_steps = 0
         self._timed_seconds = 0.0
         self._dims: Any = None
@@ -185,11 +187,6 @@ class Telemetry(pl.Callback):
             self._window_start = now
         if self._last_end is not None:
             self._data_seconds += now - self._last_end  # the dataloader ran between the two hooks
-        if self.tracker is not None and self._timing_decided_for != trainer.global_step:
-            # First batch of an optimizer step (more follow under gradient accumulation): time it, or only count.
-            self._timing_decided_for = trainer.global_step
-            self.tracker.timing = (trainer.global_step + 1) % self._time_every == 0
-            self._timed_step_began = now  # not the data loading before it (nor a validation run)
         samples, tokens = batch_size_and_tokens(batch)
         self._samples += samples
         self._tokens += tokens
@@ -207,10 +204,41 @@ class Telemetry(pl.Callback):
         if self.tracker is not None and self.tracker.timing:
             self._timed_steps += 1
             self._timed_seconds += now - self._timed_step_began
-            self.tracker.timing = False  # validation and logging between steps are counted, not timed
+            self.tracker.timing = False
         if trainer.global_step % self._every == 0:
             self._log(trainer, pl_module, now)
             self._last_end = perf_counter()  # the logging itself is not data loading
+        self._decide_timing(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._decide_timing(trainer)
+
+    def _decide_timing(self, trainer: pl.Trainer) -> None:
+        """Time the next optimizer step, or only count it; from here, not from its first batch: Lightning's loop
+        communicates between the two (its per-step SIGTERM broadcast, where a straggler's delay lands)."""
+        if self.tracker is not None:
+            self.tracker.timing = (trainer.global_step + 1) % self._time_every == 0
+            self._timed_step_began = perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation run inside fit is no part of any training step: its collectives are counted, not timed,
+        # and its duration is taken out of the step, data and window clocks.
+        self._validation_began = perf_counter()
+        if self.tracker is not None:
+            self._timing_before_validation, self.tracker.timing = self.tracker.timing, False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_began is None:
+            return
+        took = perf_counter() - self._validation_began
+        self._validation_began = None
+        self._timed_step_began += took
+        if self._last_end is not None:
+            self._last_end += took
+        if self._window_start is not None:
+            self._window_start += took
+        if self.tracker is not None:
+            self.tracker.timing = self._timing_before_validation
 
     # -------------------------------------------------------------------------------------------- logging
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float) -> None:

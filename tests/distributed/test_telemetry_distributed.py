@@ -342,8 +342,8 @@ def test_ddp_all_reduce_bytes_equal_gradient_bytes(ddp: list[dict[str, Any]]) ->
         assert [record["step"] for record in rank["base"]] == [EVERY, 2 * EVERY]
         steady = rank["base"][1]  # the second window: no first-step setup in it
         assert steady["comm/dp/bytes"] == pytest.approx(rank["grad_bytes"], rel=0.05)
-        # One all-reduce (a single bucket: the model is far below DDP's 25 MB bucket size) and a tiny broadcast
-        # that DDP issues in each forward.
+        # One all-reduce (a single bucket: the model is far below DDP's 25 MB bucket size) and the tiny broadcast
+        # of Lightning's training loop (SIGTERM check) in each step.
         assert steady["comm/dp/calls"] == 2
         assert steady["comm/dp/ms_min"] <= steady["comm/dp/ms"] <= steady["comm/dp/ms_max"]
         assert 0 < steady["comm/fraction"] < 1
@@ -354,6 +354,9 @@ def test_ddp_all_reduce_bytes_equal_gradient_bytes(ddp: list[dict[str, Any]]) ->
         all_reduce = dict(zip(columns, rows[("dp", "all_reduce")]))
         # One gradient all-reduce per step (plus Lightning's own decisions outside steps); two of them timed.
         assert all_reduce["calls"] >= STEPS and all_reduce["timed_calls"] == STEPS // EVERY
+        # Lightning's per-step SIGTERM broadcast runs before the step's first batch hook: timed with its step.
+        broadcast = dict(zip(columns, rows[("dp", "broadcast")]))
+        assert broadcast["calls"] == STEPS and broadcast["timed_calls"] == STEPS // EVERY
         assert "comm/tp/ms" not in steady and "comm/pp/ms" not in steady  # axes that do not exist stay out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -99,3 +101,35 @@ def test_one_process_run_logs_to_wandb_offline(tmp_path, monkeypatch: pytest.Mon
     assert not any(key.startswith("comm/") for key in telemetry.history[-1])  # one process: nothing to track
     assert telemetry.tables["layout"] == (["rank", "dp"], [[0, 0]])
     logger.experiment.finish()
+
+
+class _SlowValidation(_Regression):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        time.sleep(VAL_SLEEP)
+
+
+VAL_SLEEP = 0.3
+
+
+def test_validation_time_is_no_part_of_the_training_step() -> None:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), 4)
+    telemetry = Telemetry(log_every_n_steps=2, print_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=[telemetry],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_SlowValidation(), data, data)
+    # The second window (steps 3-4) comes right after a validation run of VAL_SLEEP: counted in, it would add
+    # VAL_SLEEP / 2 steps = 150 ms to every time below; a step of this model takes about a millisecond.
+    window = telemetry.history[1]
+    assert window["perf/step_ms"] < VAL_SLEEP * 1e3 / 10
+    assert window["perf/data_ms"] < VAL_SLEEP * 1e3 / 10
