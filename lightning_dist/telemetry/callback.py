@@ -69,7 +69,7 @@ class Telemetry(pl.Callback):
     - ``comm/<axis>/calls`` and ``comm/<axis>/bytes`` (every step counted) for the axes ``dp``, ``tp``, ``pp`` (and
       ``world`` / ``other`` for groups that are no single axis); from the timed steps of the window:
       ``comm/<axis>/ms`` (+ ``_min`` / ``_max``), ``comm/<axis>/busbw_gbps``, ``comm/total_ms`` (+ ``_min`` /
-      ``_max``), ``comm/fraction`` (of the timed steps' time from batch start to end) and ``comm/timed_steps``.
+      ``_max``), ``comm/fraction`` (of the timed steps' own time, data loading included) and ``comm/timed_steps``.
       A window without a timed step (``comm_timing_every_n_steps`` larger than the logging period) logs no times.
     - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), max over ranks.
     - ``pipeline/bubble_fraction`` (and its min / max over ranks) under ``PipelineParallelStrategy``.
