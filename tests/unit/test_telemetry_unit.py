@@ -75,24 +75,30 @@ class _Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_one_process_run_logs_to_wandb_offline(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning.pytorch.loggers import WandbLogger
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
+def _fit_one_process(module: pl.LightningModule, telemetry: Telemetry, validate: bool = False, **trainer_kwargs):
+    """Four optimizer steps of ``module`` on random regression data, in this process, with ``telemetry``."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), 4)
-    logger = WandbLogger(save_dir=str(tmp_path), project="telemetry-test", offline=True)
-    telemetry = Telemetry(log_every_n_steps=2, peak_tflops=1.0, print_summary=False)
+    trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=4,
-        logger=logger,
         callbacks=[telemetry],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
+        **trainer_kwargs,
     )
-    trainer.fit(_Regression(), data)
+    trainer.fit(module, data, data if validate else None)
+
+
+def test_one_process_run_logs_to_wandb_offline(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(save_dir=str(tmp_path), project="telemetry-test", offline=True)
+    telemetry = Telemetry(log_every_n_steps=2, peak_tflops=1.0, print_summary=False)
+    _fit_one_process(_Regression(), telemetry, logger=logger)
     summary = {key: logger.experiment.summary[key] for key in logger.experiment.summary.keys()}  # noqa: SIM118
     for key in ("perf/step_ms", "perf/tokens_per_sec", "perf/mfu", "memory/rss_gib"):
         assert key in summary, key
@@ -112,22 +118,10 @@ VAL_SLEEP = 0.3
 
 
 def test_validation_time_is_no_part_of_the_training_step() -> None:
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), 4)
     telemetry = Telemetry(log_every_n_steps=2, print_summary=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        val_check_interval=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        callbacks=[telemetry],
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+    _fit_one_process(
+        _SlowValidation(), telemetry, validate=True, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0
     )
-    trainer.fit(_SlowValidation(), data, data)
     # The second window (steps 3-4) comes right after a validation run of VAL_SLEEP: counted in, it would add
     # VAL_SLEEP / 2 steps = 150 ms to every time below; a step of this model takes about a millisecond.
     window = telemetry.history[1]
