@@ -10,7 +10,6 @@ a write to the loggers.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -27,6 +26,7 @@ from lightning_dist.telemetry.comm import (
     axis_groups_from_mesh,
     register_ddp_comm_hook,
 )
+from lightning_dist.telemetry.tables import comm_table, format_summary, layout_table, write_csv
 from lightning_dist.telemetry.throughput import (
     batch_size_and_tokens,
     find_flops_per_token,
@@ -348,7 +348,8 @@ class Telemetry(pl.Callback):
 
     # ----------------------------------------------------------------------------------------- end of fit
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.tables = {"comm": self._comm_table(), "layout": self._layout_table(trainer)}
+        totals = self.tracker.snapshot() if self.tracker is not None else {}
+        self.tables = {"comm": comm_table(totals), "layout": layout_table(self._dims, trainer.world_size)}
         self._uninstall()
         if not trainer.is_global_zero:
             return
@@ -358,29 +359,9 @@ class Telemetry(pl.Callback):
                     logger.log_table(key=f"telemetry/{name}", columns=columns, data=rows)
             elif isinstance(logger, CSVLogger):
                 for name, (columns, rows) in self.tables.items():
-                    _write_csv(Path(logger.log_dir) / f"telemetry_{name}.csv", columns, rows)
+                    write_csv(Path(logger.log_dir) / f"telemetry_{name}.csv", columns, rows)
         if self.print_summary:
             print(format_summary(self.tables, self._num_steps))
-
-    def _comm_table(self) -> tuple[list[str], list[list[Any]]]:
-        columns = ["axis", "op", "calls", "MiB", "timed_calls", "ms_per_call", "busbw_GBps"]
-        if self.tracker is None:
-            return columns, []
-        totals = self.tracker.snapshot()
-        order = {axis: i for i, axis in enumerate(AXIS_ORDER)}
-        rows = []
-        for (axis, op), s in sorted(totals.items(), key=lambda item: (order.get(item[0][0], 99), item[0][1])):
-            ms_per_call = s.seconds * 1e3 / s.timed_count if s.timed_count else float("nan")
-            mib = round(s.bytes / 2**20, 3)
-            rows.append([axis, op, s.count, mib, s.timed_count, round(ms_per_call, 3), round(s.busbw_gbps, 3)])
-        return columns, rows
-
-    def _layout_table(self, trainer: pl.Trainer) -> tuple[list[str], list[list[Any]]]:
-        if self._dims is not None:
-            axes = list(self._dims.degrees)
-            rows = [[rank, *self._dims.coordinates(rank).values()] for rank in range(self._dims.world_size)]
-            return ["rank", *axes], rows
-        return ["rank", "dp"], [[rank, rank] for rank in range(trainer.world_size)]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()
@@ -392,24 +373,3 @@ class Telemetry(pl.Callback):
         if self.tracker is not None:
             self.tracker.flush()
             self.tracker.uninstall()
-
-
-def _write_csv(path: Path, columns: list[str], rows: list[list[Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(columns)
-        writer.writerows(rows)
-
-
-def format_summary(tables: dict[str, tuple[list[str], list[list[Any]]]], num_steps: int) -> str:
-    """The end-of-fit tables as plain text (what rank 0 prints)."""
-    lines = [f"Telemetry summary ({num_steps} optimizer steps)"]
-    for name, (columns, rows) in tables.items():
-        lines.append(f"{name}:")
-        cells = [columns, *[[str(cell) for cell in row] for row in rows]]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-        lines.extend("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells)
-        if not rows:
-            lines.append("  (none)")
-    return "\n".join(lines)

@@ -43,22 +43,17 @@ buffer of an all-gather and the full input of a reduce-scatter. Bus bandwidth us
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
-from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_dist._compat import (
-    functional_collectives_module,
-    resolve_process_group,
-    wait_functional_collective,
-)
+from lightning_dist._compat import resolve_process_group, wait_functional_collective
+from lightning_dist.telemetry import torch_patches
 
 #: Mesh axis name -> the axis it is reported under (the data-parallel axes are reported together as ``dp``).
 REPORTED_AXIS: dict[str, str] = {"dp_replicate": "dp", "dp_shard": "dp", "dp": "dp", "tp": "tp", "pp": "pp"}
@@ -113,69 +108,6 @@ class OpStats:
     def busbw_gbps(self) -> float:
         """Achieved bus bandwidth of the timed calls in GB/s (1e9 bytes), 0 when no time was measured."""
         return self.timed_bus_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-class _Spec(NamedTuple):
-    """Where a wrapped function keeps the tensor that defines the size, and its group."""
-
-    op: str  # key in BUS_FACTORS
-    tensor_pos: int
-    tensor_kw: str
-    group_pos: int
-    group_kw: str
-    times_group_size: bool = False  # size = tensor bytes x n (the input of a gather)
-
-
-# torch.distributed functions. all_gather_single / reduce_scatter_single are the torch 2.13 names; the older
-# *_into_tensor / *_tensor names are wrapped only when the new ones do not exist (they are aliases of them).
-_C10D_SPECS: dict[str, _Spec] = {
-    "all_reduce": _Spec("all_reduce", 0, "tensor", 2, "group"),
-    "broadcast": _Spec("broadcast", 0, "tensor", 2, "group"),
-    "reduce": _Spec("reduce", 0, "tensor", 3, "group"),
-    "all_gather_single": _Spec("all_gather", 0, "output_tensor", 2, "group"),
-    "all_gather": _Spec("all_gather", 1, "tensor", 2, "group", times_group_size=True),
-    "reduce_scatter_single": _Spec("reduce_scatter", 1, "input", 3, "group"),
-    "reduce_scatter": _Spec("reduce_scatter", 1, "input_list", 3, "group"),
-    "all_to_all_single": _Spec("all_to_all", 1, "input", 4, "group"),
-    "send": _Spec("send", 0, "tensor", 2, "group"),
-    "recv": _Spec("recv", 0, "tensor", 2, "group"),
-    "isend": _Spec("send", 0, "tensor", 2, "group"),
-    "irecv": _Spec("recv", 0, "tensor", 2, "group"),
-}
-_C10D_FALLBACKS = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
-_P2P = frozenset({"isend", "irecv"})
-
-# Functional collectives (DTensor). Their results are AsyncCollectiveTensors, waited inside the wrapper.
-_FUNCOL_SPECS: dict[str, _Spec] = {
-    "all_reduce": _Spec("all_reduce", 0, "self", 2, "group"),
-    "broadcast": _Spec("broadcast", 0, "self", 2, "group"),
-    "all_gather_single": _Spec("all_gather", 0, "self", 2, "group", times_group_size=True),
-    "reduce_scatter_single": _Spec("reduce_scatter", 0, "self", 3, "group"),
-    "all_to_all_single": _Spec("all_to_all", 0, "self", 3, "group"),
-    "all_reduce_coalesced": _Spec("all_reduce", 0, "self", 2, "group"),
-    "all_gather_single_coalesced": _Spec("all_gather", 0, "self", 1, "group", times_group_size=True),
-    "reduce_scatter_single_coalesced": _Spec("reduce_scatter", 0, "inputs", 3, "group"),
-}
-_FUNCOL_FALLBACKS = {
-    "all_gather_single": "all_gather_tensor",
-    "reduce_scatter_single": "reduce_scatter_tensor",
-    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
-    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
-}
-
-_ACTIVE: CommTracker | None = None  # the installed tracker; the wrappers read it on every call
-_PATCHES: list[tuple[ModuleType, str, Any]] = []  # (module, attribute, original) to restore on uninstall
-_local = threading.local()  # .depth > 0 while inside a tracked call
-
-
-def _depth() -> int:
-    return getattr(_local, "depth", 0)
-
-
-def _arg(args: tuple, kwargs: dict, pos: int, name: str) -> Any:
-    if len(args) > pos:
-        return args[pos]
-    return kwargs.get(name)
 
 
 def _nbytes(obj: Any) -> int:
@@ -290,21 +222,14 @@ class CommTracker:
     # ------------------------------------------------------------------------------------------------- control
     def install(self) -> CommTracker:
         """Replace torch's communication functions with tracking wrappers (idempotent for this tracker)."""
-        global _ACTIVE
-        if _ACTIVE is self:
-            return self
-        if _ACTIVE is not None:
-            raise RuntimeError("Another CommTracker is installed; uninstall it first (one tracker per process).")
-        _patch_all()
-        _ACTIVE = self
+        if torch_patches.handler() is not self:
+            torch_patches.install(self)
         return self
 
     def uninstall(self) -> None:
         """Put torch's functions back, and let go of the process groups the tracker has seen."""
-        global _ACTIVE
-        if _ACTIVE is self:
-            _ACTIVE = None
-            _unpatch_all()
+        if torch_patches.handler() is self:
+            torch_patches.uninstall()
         # A gloo group whose last reference dies after destroy_process_group() is destroyed outside torch's own
         # shutdown, and that hung a rank now and then (its destructor joins threads that wait for the GIL).
         # Forget the id-keyed entries with the objects: an id can be reused once the object is gone.
@@ -342,10 +267,6 @@ class CommTracker:
         self.flush()
         return {key: stats.copy() for key, stats in self.stats.items()}
 
-    def reset(self) -> None:
-        self.flush()
-        self.stats.clear()
-
     # ------------------------------------------------------------------------------------------------ recording
     def _stats_for(self, axis: str, op: str) -> OpStats:
         stats = self.stats.get((axis, op))
@@ -353,16 +274,16 @@ class CommTracker:
             stats = self.stats[(axis, op)] = OpStats()
         return stats
 
-    def _track(self, fn: Callable, spec: _Spec, args: tuple, kwargs: dict, kind: str) -> Any:
-        axis, size = self.axis_of(_arg(args, kwargs, spec.group_pos, spec.group_kw))
-        nbytes = _nbytes(_arg(args, kwargs, spec.tensor_pos, spec.tensor_kw))
+    def track(self, fn: Callable, spec: torch_patches.Spec, args: tuple, kwargs: dict, kind: str) -> Any:
+        """Count (and, while :attr:`timing`, time) one call of the wrapped ``fn``; the wrappers call this."""
+        axis, size = self.axis_of(torch_patches.argument(args, kwargs, spec.group_pos, spec.group_kw))
+        nbytes = _nbytes(torch_patches.argument(args, kwargs, spec.tensor_pos, spec.tensor_kw))
         if spec.times_group_size:
             nbytes *= size
         stats = self._stats_for(axis, spec.op)
         stats.count += 1
         stats.bytes += nbytes
-        _local.depth = _depth() + 1
-        try:
+        with torch_patches.nested():
             if not self.timing:  # counted only: the call runs (and overlaps) exactly as without the tracker
                 return fn(*args, **kwargs)
             stats.timed_count += 1
@@ -380,8 +301,6 @@ class CommTracker:
                 out.wait()
             stats.seconds += perf_counter() - start
             return out
-        finally:
-            _local.depth -= 1
 
     def _call_cuda(self, fn: Callable, args: tuple, kwargs: dict, kind: str, stats: OpStats) -> Any:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -398,7 +317,7 @@ class CommTracker:
         self._pending.append((stats, start, end))
         return out
 
-    def _track_batch_p2p(self, fn: Callable, p2p_ops: list) -> Any:
+    def track_batch_p2p(self, fn: Callable, p2p_ops: list) -> Any:
         """``batch_isend_irecv``: counted per direction, timed when the caller waits.
 
         Never wait here: a pipeline schedule posts its sends, computes, and waits later; waiting inside the
@@ -415,11 +334,8 @@ class CommTracker:
             if self.timing:
                 stats.timed_count += 1
                 stats.timed_bus_bytes += _nbytes(p2p.tensor)
-        _local.depth = _depth() + 1
-        try:
+        with torch_patches.nested():
             works = fn(p2p_ops)
-        finally:
-            _local.depth -= 1
         if self.use_cuda_events or not works or not self.timing:
             return works
         if len(works) == len(p2p_ops):  # gloo: one work per op
@@ -429,75 +345,6 @@ class CommTracker:
 
 
 # ------------------------------------------------------------------------------------------------------ patching
-def _wrap(fn: Callable, spec: _Spec, kind: str) -> Callable:
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        tracker = _ACTIVE
-        # The checks are the whole always-on cost when tracking is off: a global read and two attribute reads.
-        if tracker is None or not tracker.enabled or _depth() or torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        return tracker._track(fn, spec, args, kwargs, kind)
-
-    tracked.__name__ = fn.__name__  # batch_isend_irecv tells sends from receives by op.op.__name__
-    tracked.__qualname__ = fn.__qualname__
-    tracked.__doc__ = fn.__doc__
-    tracked.__wrapped__ = fn  # type: ignore[attr-defined]
-    return tracked
-
-
-def _wrap_batch(fn: Callable) -> Callable:
-    def tracked(p2p_op_list: list) -> Any:
-        tracker = _ACTIVE
-        if tracker is None or not tracker.enabled or _depth() or torch.compiler.is_compiling():
-            return fn(p2p_op_list)
-        return tracker._track_batch_p2p(fn, p2p_op_list)
-
-    tracked.__name__ = fn.__name__
-    tracked.__wrapped__ = fn  # type: ignore[attr-defined]
-    return tracked
-
-
-def _set(modules: Sequence[ModuleType], name: str, value: Any) -> None:
-    for module in modules:
-        _PATCHES.append((module, name, getattr(module, name)))
-        setattr(module, name, value)
-
-
-def _patch_all() -> None:
-    """Wrap the base functions on every module that exposes them (same function object on each)."""
-    c10d = dist.distributed_c10d
-    # torch.distributed re-exports c10d's functions; torch's own helpers (batch_isend_irecv, P2POp's op check,
-    # the deprecated aliases) call them through c10d's globals, user code and FSDP through torch.distributed.
-    # Both must hold the same wrapper or P2POp(dist.isend, ...) fails c10d's `op in [isend, irecv]` check.
-    for name, spec in _C10D_SPECS.items():
-        name = name if hasattr(c10d, name) else _C10D_FALLBACKS.get(name, name)
-        if not hasattr(c10d, name):
-            continue
-        wrapper = _wrap(getattr(c10d, name), spec, "p2p" if name in _P2P else "c10d")
-        _set([m for m in (c10d, dist) if getattr(m, name, None) is getattr(c10d, name)], name, wrapper)
-    batch = c10d.batch_isend_irecv
-    _set(
-        [m for m in (c10d, dist) if getattr(m, "batch_isend_irecv", None) is batch],
-        "batch_isend_irecv",
-        _wrap_batch(batch),
-    )
-    funcol = functional_collectives_module()
-    for name, spec in _FUNCOL_SPECS.items():
-        name = name if hasattr(funcol, name) else _FUNCOL_FALLBACKS.get(name, name)
-        if hasattr(funcol, name):
-            _set([funcol], name, _wrap(getattr(funcol, name), spec, "funcol"))
-
-
-def _unpatch_all() -> None:
-    while _PATCHES:
-        module, name, original = _PATCHES.pop()
-        setattr(module, name, original)
-
-
-def active_tracker() -> CommTracker | None:
-    """The installed tracker, if any."""
-    return _ACTIVE
-
-
 # ------------------------------------------------------------------------------------------------------ helpers
 def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = ("dp_replicate", "dp_shard", "dp", "tp", "pp")) -> dict:
     """``{reported axis: [process groups]}`` of the named axes of a DeviceMesh that has them."""

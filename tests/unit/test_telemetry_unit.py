@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_dist.telemetry import OpStats, Telemetry
-from lightning_dist.telemetry.callback import format_summary
 from lightning_dist.telemetry.comm import BUS_FACTORS
+from lightning_dist.telemetry.tables import format_summary
 from lightning_dist.telemetry.throughput import batch_size_and_tokens, find_flops_per_token, peak_tflops
 
 
