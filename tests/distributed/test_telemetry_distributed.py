@@ -2,7 +2,8 @@
 
 Each layout runs twice in the same ranks: once as is, once with a known sleep added to the collectives of one axis
 (patched in *under* the tracker, exactly where a slow link would show). The tracker must attribute the extra time to
-that axis (calls x delay, within 25%) and to no other; counts and bytes must match what the model implies (5%).
+that axis (calls x delay, within 25%: the delay is large enough that machine load stays inside that margin) and to
+no other; counts and bytes must match what the model implies (5%).
 
 - dp through Lightning's DDPStrategy (C++ reducer -> our comm hook) with the full ``Telemetry`` callback.
 - dp (FSDP2 ``fully_shard``) and tp (DTensor) through raw torch on a 2 x 2 mesh (dp_shard x tp), the same torch
@@ -29,7 +30,9 @@ from lightning_dist.launch import launch
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.telemetry import CommTracker, OpStats, Telemetry, axis_groups_from_mesh
 
-DELAY = 0.02  # seconds added to every call of the slowed axis
+# Seconds added to every call of the slowed axis. Large next to what a busy machine adds to a few tiny collectives
+# (a loaded 2-core run measured +28 ms where a 20 ms delay was injected): the 25% margins must hold under load.
+DELAY = 0.1
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
