@@ -32,8 +32,9 @@ install: $(VENV)/.installed
 train: install
 	$(BIN)/lightning-dist-train $(ARGS)
 
+# --durations: the slowest tests are listed at the end of every run, so a test that grows slow is seen.
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit tests/test_configs.py $(PYTEST_ARGS)

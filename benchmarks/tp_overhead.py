@@ -244,7 +244,7 @@ class HandParallelGPT(GPTModule):
         if self.model is not None:
             return
         super().configure_model()  # builds the GPT and initializes it from init_seed
-        plan = gpt_tensor_parallel_plan("model.", self.model_config.n_layers)
+        plan = gpt_tensor_parallel_plan("model.")
         parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
         dp_mesh = self.device_mesh["data_parallel"]
         if dp_mesh.size() > 1:
@@ -282,7 +282,7 @@ def run_plain(bench: Bench) -> RankResult:
     model = GPT(bench.model_config())
     model.init_weights(bench.seed)
     if bench.tp > 1:
-        parallelize_module(model, mesh["tp"], gpt_tensor_parallel_plan("", bench.layers))
+        parallelize_module(model, mesh["tp"], gpt_tensor_parallel_plan(""))
     if bench.dp_shard > 1:
         for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp_shard"])

@@ -5,13 +5,16 @@ When one of these moves in a new release, this is the only file to change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
 
 
 def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
@@ -99,3 +102,68 @@ def run_atexit_handlers() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+# ------------------------------------------------------------------------------------------- Lightning strategies
+class BeforeLaunchHook:
+    """Mixin for a Lightning strategy: ``before_launch()`` runs once the number of processes is known, before any
+    process is launched (so a bad layout fails once, in the launching process).
+
+    Lightning has no public hook there; ``Strategy._configure_launcher`` (private) is where the accelerator connector
+    hands the strategy its devices and asks for a launcher.
+    """
+
+    def before_launch(self) -> None:
+        """Override: checks that need the number of processes."""
+
+    def _configure_launcher(self) -> None:
+        self.before_launch()
+        super()._configure_launcher()  # type: ignore[misc]
+
+
+def setup_distributed(strategy: Any) -> None:
+    """``ModelParallelStrategy._setup_distributed`` (private): init the process group, set ranks and the device."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
+    """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` and ``LightningModule.device_mesh``.
+
+    Both properties are read-only views of private attributes that ``ModelParallelStrategy.setup_environment`` sets
+    to a mesh of its own; a hand-written ``configure_model`` reads the axes from ``self.device_mesh``.
+    """
+    strategy._device_mesh = mesh
+    module._device_mesh = mesh
+
+
+# --------------------------------------------------------------------------------------------- nn.Module surgery
+def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.
+
+    Pipeline splitting deletes blocks from a container by key, and sets parts a stage does not own to ``None``
+    (which ``named_children`` skips and ``forward`` can test for), keeping every other key as it was.
+    """
+    return module._modules
+
+
+def shallow_clone(module: nn.Module) -> nn.Module:
+    """A new module object of the same class sharing ``module``'s children and parameters.
+
+    Each of the clone's dicts (children, parameters, hooks) is a copy, so editing the clone's children or putting
+    hooks on it leaves ``module`` as it was. Built with ``object.__new__`` because ``__init__`` would build new
+    layers; ``copy.copy`` would share the dicts.
+    """
+    clone = object.__new__(type(module))
+    clone.__dict__ = {key: type(val)(val) if isinstance(val, dict) else val for key, val in vars(module).items()}
+    return clone
+
+
+# ---------------------------------------------------------------------------------------------------- pipelining
+#: ``PipelineStage`` methods a schedule calls for each unit of work (not a documented extension point of torch).
+PIPELINE_STAGE_CHUNKS: tuple[str, ...] = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each of ``stage``'s chunk methods (:data:`PIPELINE_STAGE_CHUNKS`) by ``wrap(method)`` on the object."""
+    for name in PIPELINE_STAGE_CHUNKS:
+        setattr(stage, name, wrap(getattr(stage, name)))

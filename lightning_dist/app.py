@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,22 @@ from typing import Any
 from lightning_dist.config import LoggerConfig, TrainConfig
 from lightning_dist.parallel_dims import ParallelDims
 
-#: Strategies the app can build, and the degrees each of them can do.
-_SUPPORTED = {
+#: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
+#: every other name is our MeshStrategy, whose path follows from the degrees alone.
+_CANNOT_DO: dict[str, dict[str, str]] = {
+    "ddp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+        "dp_shard": "use parallelism=fsdp to shard",
+    },
+    "fsdp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+    },
+    "tensor_parallel": {"pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines"},
+    "pipeline_parallel": {},
+}
+_DOES = {
     "ddp": "dp_replicate",
     "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
     "tensor_parallel": "dp_replicate, dp_shard, tp",
@@ -33,18 +48,23 @@ def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
 
 
 def check_config(cfg: TrainConfig) -> ParallelDims:
-    """Every check that can be made before processes start; each failure is one line with the value and the fix."""
+    """Every check that can be made before processes start; each failure is one line with the value and the fix.
+
+    Also settles what depends on this machine (``cluster.accelerator=auto``, the progress bar). Returns the layout,
+    which the ranks are given as it is.
+    """
     from lightning_dist.data import TokenDataModule
     from lightning_dist.data.config import validate_data_config
 
     cfg.model.validate()
     par, cluster = cfg.parallelism, cfg.cluster
-    if par.strategy not in _SUPPORTED:
-        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_SUPPORTED)}.")
+    if par.strategy not in _CANNOT_DO:
+        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
+    cluster.accelerator = _resolve_accelerator(cluster.accelerator)
     _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
-    TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size)
+    per_rank_batch = TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size)
     if cfg.data.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}; "
@@ -63,34 +83,58 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
         )
     validate_data_config(cfg.data)
     TokenDataModule(cfg.data, seed=cfg.seed).setup()  # missing / empty files fail here, before any rank starts
-    if par.strategy in ("tensor_parallel", "pipeline_parallel"):
-        from lightning_dist.strategies import check_layout
-
-        check_layout(cfg, dims)
+    _check_layout(cfg, dims, per_rank_batch)
+    if cfg.trainer.enable_progress_bar is None:
+        # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
+        cfg.trainer.enable_progress_bar = sys.stdout.isatty()
     return dims
+
+
+def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int) -> None:
+    """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches."""
+    from lightning_dist.models.gpt_parallel import check_tensor_parallel
+    from lightning_dist.parallel import pipeline
+
+    par = cfg.parallelism
+    check_tensor_parallel(cfg.model, dims.tp, cfg.data.seq_len, par.sequence_parallel)
+    schedule = pipeline.resolve_schedule(par.schedule, par.stages_per_rank)
+    if not dims.pp_enabled:
+        return
+    num_stages = dims.pp * par.stages_per_rank
+    if num_stages > cfg.model.n_layers:
+        raise ValueError(
+            f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
+            f"has {cfg.model.n_layers} blocks; lower pp / stages_per_rank or raise model.n_layers."
+        )
+    if cfg.model.tie_embeddings:
+        raise ValueError(
+            f"parallelism.pp={dims.pp} with model.tie_embeddings=true: the embedding and the head live on different "
+            "stages; set model.tie_embeddings=false."
+        )
+    microbatches = par.microbatches if par.microbatches is not None else num_stages
+    try:
+        pipeline.check_microbatches(schedule, microbatches, dims.pp, par.stages_per_rank, batch_size=per_rank_batch)
+    except ValueError as err:
+        raise ValueError(f"parallelism.{err}") from None  # the same message, named as the config field
 
 
 def _check_strategy_can_do(par) -> None:
     """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
-    unsupported = {
-        "ddp": ("tp", "pp", "dp_shard"),
-        "fsdp": ("tp", "pp"),
-        "tensor_parallel": ("pp",),
-        "pipeline_parallel": (),
-    }[par.strategy]
-    bad = [f"parallelism.{axis}={getattr(par, axis)}" for axis in unsupported if getattr(par, axis) > 1]
-    if not bad:
-        return
-    if "parallelism.pp" in " ".join(bad):
-        fix = "use parallelism=pp (or parallelism=3d with tp) for pipelines"
-    elif par.strategy == "ddp" and "dp_shard" in bad[0]:
-        fix = "use parallelism=fsdp to shard"
-    else:
-        fix = "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism"
-    raise ValueError(
-        f"{' '.join(bad)} is not possible with parallelism.strategy={par.strategy} "
-        f"(it does {_SUPPORTED[par.strategy]}); {fix}."
-    )
+    cannot = _CANNOT_DO[par.strategy]
+    bad = [axis for axis in cannot if getattr(par, axis) > 1]
+    if bad:
+        values = " ".join(f"parallelism.{axis}={getattr(par, axis)}" for axis in bad)
+        raise ValueError(
+            f"{values} is not possible with parallelism.strategy={par.strategy} (it does {_DOES[par.strategy]}); "
+            f"{cannot[bad[0]]}."
+        )
+
+
+def _resolve_accelerator(accelerator: str) -> str:
+    """``auto`` is ``gpu`` where CUDA devices are visible, else ``cpu``; other names are kept."""
+    if accelerator == "auto":
+        return "gpu" if _cuda_count() > 0 else "cpu"
+    return accelerator
 
 
 def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
@@ -101,7 +145,7 @@ def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
             f"cluster.num_nodes={num_nodes}: a multi-node job is started once per node by torchrun or SLURM "
             "(e.g. torchrun --nnodes=N --nproc-per-node=8 -m lightning_dist.train ...); run it that way."
         )
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_count() > 0):
+    if accelerator in ("gpu", "cuda"):
         available = _cuda_count()
         if available == 0:
             raise ValueError(
@@ -138,8 +182,15 @@ def _launched_externally() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- one rank
-def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
-    """Train on this rank with Lightning's ``Trainer.fit``; returns a summary (rank 0's is printed)."""
+def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = None) -> dict[str, Any]:
+    """Train on this rank with Lightning's ``Trainer.fit``; returns a summary (rank 0's is printed).
+
+    Args:
+        cfg: The run's config.
+        callbacks: Extra Lightning callbacks.
+        dims: The layout :func:`check_config` returned for ``cfg``; ``None`` = check ``cfg`` here (a rank started
+            without the app's launcher, e.g. by a test).
+    """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -151,7 +202,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
     warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = Path(cfg.output_dir)
-    dims = build_parallel_dims(cfg)
+    if dims is None:
+        dims = check_config(cfg)
     datamodule = build_datamodule(cfg.data, cfg.seed)
     module = GPTModule(cfg.model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed)
     logger = build_logger(cfg.logger, out_dir, cfg)
@@ -209,28 +261,33 @@ def fit(cfg: TrainConfig, callbacks: tuple = ()) -> dict[str, Any]:
 
 
 def build_strategy(cfg: TrainConfig, dims: ParallelDims):
-    """The Lightning strategy for ``cfg.parallelism.strategy``."""
+    """The Lightning strategy: Lightning's DDPStrategy for ``ddp``, else our mesh strategy over ``dims``.
+
+    ``fsdp`` is FSDP2 (torch ``fully_shard``) through the mesh strategy with ``tp=1``: Lightning's FSDPStrategy
+    wraps the older FSDP1 and refuses to run on CPU.
+    """
     from datetime import timedelta
 
     from lightning.pytorch.strategies import DDPStrategy
 
+    from lightning_dist.strategies import MeshStrategy
+
     backend = cfg.cluster.process_group_backend
     timeout = timedelta(minutes=10)
-    name = cfg.parallelism.strategy
-    if name == "ddp":
+    if cfg.parallelism.strategy == "ddp":
         return DDPStrategy(process_group_backend=backend, timeout=timeout)
-    from lightning_dist.strategies import build_model_parallel_strategy
-
-    if name == "fsdp":
-        # torch's FSDP2 (fully_shard) through our mesh strategy with tp=1: Lightning's FSDPStrategy wraps the
-        # older FSDP1 and refuses to run on CPU.
-        from lightning_dist.strategies import TensorParallelStrategy
-
-        return TensorParallelStrategy(
-            tp=1, dp_shard=dims.dp_shard, dp_replicate=dims.dp_replicate, process_group_backend=backend, timeout=timeout
-        )
-
-    return build_model_parallel_strategy(cfg.parallelism, dims, backend=backend, timeout=timeout)
+    par = cfg.parallelism
+    return MeshStrategy(
+        parallel_dims=dims,
+        sequence_parallel=par.sequence_parallel,
+        loss_parallel=par.loss_parallel,
+        schedule=par.schedule,
+        microbatches=par.microbatches,
+        stages_per_rank=par.stages_per_rank,
+        split_points=par.split_points,
+        process_group_backend=backend,
+        timeout=timeout,
+    )
 
 
 def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig):

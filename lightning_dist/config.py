@@ -51,7 +51,7 @@ class ClusterConfig:
     """The hardware the job runs on."""
 
     accelerator: str = "cpu"
-    """Lightning accelerator: cpu, gpu or auto."""
+    """Lightning accelerator: cpu, gpu or auto (gpu where CUDA devices are visible, else cpu)."""
     devices: int = 2
     """Processes (devices) per node."""
     num_nodes: int = 1
@@ -104,8 +104,8 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; None disables clipping."""
     enable_checkpointing: bool = True
     """Save a checkpoint at the end of training (ModelCheckpoint, last.ckpt)."""
-    enable_progress_bar: bool = False
-    """Show Lightning's progress bar (off by default: logs read better in files and CI)."""
+    enable_progress_bar: bool | None = None
+    """Show Lightning's progress bar; None = when stdout is a terminal (never in files and CI logs)."""
     telemetry: bool = True
     """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
     track_comm: bool = True

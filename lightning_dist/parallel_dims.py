@@ -14,6 +14,7 @@ group occupies neighbouring ranks (one node, the fastest links) and ``pp`` outer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 #: Mesh axis names, outermost first.
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+#: Degrees that may be ``-1`` ("what the other degrees leave of the world size"); at most one at a time.
+_FILLABLE: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
@@ -33,7 +36,7 @@ class ParallelDims:
         world_size: Total number of processes.
         dp_replicate: Data-parallel replica degree; ``-1`` takes what the other degrees leave.
         dp_shard: Data-parallel shard (FSDP2) degree; ``-1`` takes what the other degrees leave.
-        tp: Tensor-parallel degree.
+        tp: Tensor-parallel degree; ``-1`` takes what the other degrees leave.
         pp: Pipeline-parallel degree.
         cp: Context-parallel degree (reserved, must be 1).
 
@@ -57,28 +60,26 @@ class ParallelDims:
             raise ValueError(f"world_size={self.world_size} must be >= 1; set cluster.devices (and num_nodes) >= 1.")
         if self.cp != 1:
             raise ValueError(f"cp={self.cp}: context parallelism is reserved and not implemented yet; set cp=1.")
-        for name in ("tp", "pp"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1; use {name}=1 to turn {name} off.")
-        for name in ("dp_replicate", "dp_shard"):
+        if self.pp < 1:
+            raise ValueError(f"pp={self.pp} must be >= 1; use pp=1 to turn pp off.")
+        for name in _FILLABLE:
             value = getattr(self, name)
             if value == 0 or value < -1:
                 raise ValueError(f"{name}={value} must be >= 1, or -1 for 'the rest of the world size'.")
-        if self.dp_replicate == -1 and self.dp_shard == -1:
+        rest = [name for name in _FILLABLE if getattr(self, name) == -1]
+        if len(rest) > 1:
             raise ValueError(
-                "dp_replicate=-1 and dp_shard=-1: only one data-parallel degree can be 'the rest'; "
-                "set one of them to a number (usually dp_replicate=1)."
+                f"{' and '.join(f'{name}=-1' for name in rest)}: only one data-parallel degree (or tp) can be "
+                "'the rest'; set all but one of them to a number (usually dp_replicate=1)."
             )
-        fixed = self.tp * self.pp * self.cp * max(self.dp_replicate, 1) * max(self.dp_shard, 1)
-        if -1 in (self.dp_replicate, self.dp_shard):
-            rest_name = "dp_replicate" if self.dp_replicate == -1 else "dp_shard"
+        fixed = self.pp * self.cp * math.prod(max(getattr(self, name), 1) for name in _FILLABLE)
+        if rest:
             if self.world_size % fixed != 0:
                 raise ValueError(
-                    f"{rest_name}=-1 cannot fill world_size={self.world_size}: the other degrees multiply to {fixed}, "
+                    f"{rest[0]}=-1 cannot fill world_size={self.world_size}: the other degrees multiply to {fixed}, "
                     f"which does not divide it; use a world size that is a multiple of {fixed} or change tp/pp."
                 )
-            setattr(self, rest_name, self.world_size // fixed)
+            setattr(self, rest[0], self.world_size // fixed)
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if product != self.world_size:
             raise ValueError(
@@ -164,6 +165,10 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.mesh was read before build_mesh(); the strategy builds it in setup.")
         return self._mesh
+
+    def group(self, axis: str):
+        """The process group of this rank on mesh ``axis`` (``"pp"``, ``"tp"``, ``"dp"``, ...); needs the mesh."""
+        return self.mesh[axis].get_group()
 
     @cached_property
     def fsdp_mesh_axes(self) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,9 @@ log = logging.getLogger("lightning_dist")
 
 register_configs()
 
-#: conf/ at the repository root (the package is installed in editable mode by `make install`).
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+#: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
+#: finds them as an editable install does.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def main() -> None:
@@ -50,14 +50,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, run it on ``cluster.devices`` local ranks (or in this rank under torchrun/SLURM), report."""
     from lightning_dist.app import check_config, fit
 
-    check_config(cfg)
+    dims = check_config(cfg)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if launched_externally():
-        result = fit(cfg)
+        result = fit(cfg, dims=dims)
     else:
-        result = launch(fit, cfg.cluster.devices, cfg)[0]
+        result = launch(fit, cfg.cluster.devices, cfg, (), dims)[0]
     result["wall_time_s"] = time.perf_counter() - start
     _print_summary(result)
     return result
@@ -95,11 +95,6 @@ def _fail(err: Exception, out_dir: Path) -> None:
         message += f"  (traceback: {out_dir / 'error.log'})"
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
-
-
-def config_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The run's config as a nested dict (what W&B and the checkpoint record)."""
-    return asdict(cfg)
 
 
 if __name__ == "__main__":

@@ -20,3 +20,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Seconds spent per tier (setup, call and teardown together: spawned process groups live in fixtures)."""
+    tiers: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, duration = getattr(report, "nodeid", ""), getattr(report, "duration", None)
+            if not nodeid or duration is None:
+                continue
+            parts = nodeid.split("::")[0].split("/")
+            tier = parts[1] if len(parts) > 2 else parts[-1]  # tests/unit/x.py -> unit; tests/test_app.py
+            tiers[tier] = tiers.get(tier, 0.0) + duration
+    if tiers:
+        terminalreporter.write_sep("=", "time per tier")
+        for tier, seconds in sorted(tiers.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {tier}")

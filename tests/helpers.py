@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from lightning_dist.config import TrainConfig, register_configs
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "lightning_dist" / "conf"
 
 #: A run small enough for a 2-core machine: 2-layer, 64-wide GPT, 8 x 32-token batches, no validation, no files.
 FAST = [

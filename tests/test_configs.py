@@ -16,7 +16,7 @@ GROUPS = {
     group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     for group in ("model", "data", "parallelism", "cluster", "trainer", "logger")
 }
-RECIPES = sorted(p.stem for p in (CONF_DIR.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
 
 PUBLISHED_PARAMS = {"gpt2_124m": 124.4e6, "llama_1b": 1.236e9, "llama_8b": 8.03e9, "llama_70b": 70.55e9}
 

@@ -43,7 +43,7 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, s
 
 
 def gpt_tensor_parallel_plan(
-    prefix: str, n_layers: int, sequence_parallel: bool = True, loss_parallel: bool = True
+    prefix: str, sequence_parallel: bool = True, loss_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
     """The Megatron-style plan for :class:`~lightning_dist.models.gpt.GPT` (llama arch), by module name.
 
@@ -55,7 +55,6 @@ def gpt_tensor_parallel_plan(
 
     Args:
         prefix: Name of the GPT module inside the module being parallelized (``"model."`` for GPTModule).
-        n_layers: Number of blocks (unused blocks of a pipeline stage are skipped by the caller).
         sequence_parallel: Shard norms and residuals along the sequence.
         loss_parallel: Keep logits vocab-sharded for a parallel cross-entropy.
     """

@@ -1,12 +1,7 @@
 """The LightningModule that trains the reference GPT. No distributed code: strategies parallelize it from outside.
 
-Contract the strategies rely on (a user's own module can follow it too):
-
-- ``compute_loss(batch) -> loss``: forward + loss for one batch; ``training_step`` and ``validation_step`` call it.
-  Pipeline parallelism runs the same computation through a schedule instead (see ``pipeline_spec``).
-- ``pipeline_spec()``: which submodule is split into stages, its block container, and the pieces that belong to
-  the first / last stage (see :class:`lightning_dist.parallel.pipeline.PipelineSpec`).
-- ``tensor_parallel_plan()``: the model's tensor-parallel plan.
+It implements every hook of :class:`lightning_dist.contract.ParallelModule`, the contract a user's own module can
+follow too.
 """
 
 from __future__ import annotations
@@ -96,7 +91,7 @@ class GPTModule(pl.LightningModule):
         """The GPT's tensor-parallel plan, by module name relative to this module."""
         from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
 
-        return gpt_tensor_parallel_plan("model.", self.model_config.n_layers, sequence_parallel, loss_parallel)
+        return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel)
 
     def pipeline_spec(self) -> PipelineSpec:
         """How a pipeline splits the GPT: ``model.layers`` are the blocks, embeddings first, norm and head last."""

@@ -18,18 +18,24 @@ def parallelize(
     *,
     tp_plan: TensorParallelPlan | None = None,
     fsdp_units: Sequence[nn.Module] = (),
+    fsdp_roots: Sequence[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> dict[str, str]:
     """Apply tensor parallelism, then FSDP2 / replication, to ``module`` in place (a pipeline stage or a model).
 
+    The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
+    (activation checkpointing, compile) applies to both.
+
     Args:
         module: The module to parallelize; plan patterns are relative to it.
         dims: The layout; its mesh must be built.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
-        fsdp_units: Blocks wrapped as their own FSDP units (the rest is wrapped per top-level child).
+        fsdp_units: Blocks wrapped as their own FSDP units, in execution order.
+        fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
+            ``module`` holding parameters outside the units (a LightningModule itself is never wrapped).
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
-        reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp`.
+        reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
     Returns:
         Module name -> tensor-parallel style applied.
@@ -50,13 +56,16 @@ def parallelize(
     # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:
-        unit_ids = {id(unit) for unit in fsdp_units}
-        roots = [
-            child for child in module.children() if id(child) not in unit_ids and any(True for _ in child.parameters())
-        ]
+        if fsdp_roots is None:
+            unit_ids = {id(unit) for unit in fsdp_units}
+            fsdp_roots = [
+                child
+                for child in module.children()
+                if id(child) not in unit_ids and any(True for _ in child.parameters())
+            ]
         apply_fsdp(
             fsdp_units,
-            roots,
+            fsdp_roots,
             mesh[dims.fsdp_mesh_axes],
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,

@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from lightning_dist._compat import module_children, shallow_clone, wrap_stage_chunks
+
 #: Schedule name -> stages per rank it runs with (``None`` = 2 or more).
 SCHEDULES: dict[str, int | None] = {
     "GPipe": 1,
@@ -108,8 +110,18 @@ def resolve_schedule(name: str, stages_per_rank: int) -> str:
     return name
 
 
-def check_microbatches(schedule: str, microbatches: int, pp: int, stages_per_rank: int) -> None:
-    """Raise when ``microbatches`` is too few for ``schedule`` (torch's own requirement, checked before training)."""
+def check_microbatches(
+    schedule: str, microbatches: int, pp: int, stages_per_rank: int, batch_size: int | None = None
+) -> None:
+    """Raise when ``microbatches`` does not suit ``schedule`` (torch's own requirements) or the per-rank batch.
+
+    Args:
+        schedule: Canonical schedule name (see :func:`resolve_schedule`).
+        microbatches: Microbatches per step.
+        pp: Pipeline degree.
+        stages_per_rank: Virtual stages per rank.
+        batch_size: The per-rank batch to split, when known.
+    """
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be >= 1.")
     num_stages = pp * stages_per_rank
@@ -126,6 +138,11 @@ def check_microbatches(schedule: str, microbatches: int, pp: int, stages_per_ran
         )
     if schedule == "1F1B" and microbatches < pp:
         raise ValueError(f"schedule=1F1B needs microbatches >= pp={pp} (got {microbatches}); set microbatches>={pp}.")
+    if batch_size is not None and batch_size % microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} does not divide the per-rank batch {batch_size} (the global batch over the "
+            f"data-parallel ranks); pick a divisor of {batch_size} or change the global batch size."
+        )
 
 
 # ----------------------------------------------------------------------------------------------- splitting
@@ -135,9 +152,9 @@ def block_costs(model: nn.Module, spec: PipelineSpec) -> tuple[list[str], list[f
     The embedding and the head can be as large as several blocks (vocab x d_model), so leaving them out would put
     most of the model on the first and last stages.
     """
-    blocks = spec.blocks(model)
-    keys = list(blocks._modules)
-    costs = [float(_numel(blocks._modules[key])) for key in keys]
+    blocks = module_children(spec.blocks(model))
+    keys = list(blocks)
+    costs = [float(_numel(blocks[key])) for key in keys]
     if keys:
         costs[0] += sum(_numel(_get_optional(model, name)) for name in spec.first)
         costs[-1] += sum(_numel(_get_optional(model, name)) for name in spec.last)
@@ -210,10 +227,10 @@ def prune_model(model: nn.Module, spec: PipelineSpec, keep: set[str], first: boo
 
     Container keys are left as they are (``layers.5`` stays ``layers.5``): names match the full model's.
     """
-    blocks = spec.blocks(model)
-    for key in list(blocks._modules):
+    blocks = module_children(spec.blocks(model))
+    for key in list(blocks):
         if key not in keep:
-            del blocks._modules[key]
+            del blocks[key]
     for names, owned in ((spec.first, first), (spec.last, last)):
         if not owned:
             for name in names:
@@ -226,19 +243,14 @@ def stage_view(model: nn.Module, spec: PipelineSpec, keys: Sequence[str], first:
     Clones are shallow (the module objects below the container are shared); each clone has its own dicts of
     children and hooks, so hooks put on one stage (FSDP, TP) do not fire on another.
     """
-    view = _clone(model)
-    if spec.blocks_attr:
-        parent = view
-        *path, leaf = spec.blocks_attr.split(".")
-        for name in path:
-            child = _clone(parent._modules[name])
-            parent._modules[name] = child
-            parent = child
-        container = _clone(parent._modules[leaf])
-        parent._modules[leaf] = container
-    else:
-        container = view
-    container._modules = type(container._modules)((key, container._modules[key]) for key in keys)
+    view = shallow_clone(model)
+    container = view
+    for name in spec.blocks_attr.split(".") if spec.blocks_attr else ():
+        children = module_children(container)
+        container = children[name] = shallow_clone(children[name])
+    children = module_children(container)
+    for key in [key for key in children if key not in keys]:
+        del children[key]
     for names, owned in ((spec.first, first), (spec.last, last)):
         if not owned:
             for name in names:
@@ -285,8 +297,6 @@ class BubbleTimer:
         device: Their device.
     """
 
-    CHUNKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
     def __init__(self, stages: Sequence[PipelineStage], device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._events: list[tuple[Any, Any]] = []
@@ -294,8 +304,7 @@ class BubbleTimer:
         self._step_s = 0.0
         self._in_step = False
         for stage in stages:
-            for name in self.CHUNKS:
-                setattr(stage, name, self._timed(getattr(stage, name)))
+            wrap_stage_chunks(stage, self._timed)
 
     def _timed(self, chunk: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(chunk)
@@ -375,23 +384,9 @@ def _get_optional(model: nn.Module, name: str) -> nn.Module | None:
 def _set_none(model: nn.Module, name: str) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    if leaf not in parent._modules:
+    children = module_children(parent)
+    if leaf not in children:
         if hasattr(parent, leaf) and getattr(parent, leaf) is None:
             return  # an optional part this model does not have (GPT's pos_emb under arch=llama)
         raise ValueError(f"pipeline_spec() names {name!r}, which is not a submodule of {type(model).__name__}.")
-    parent._modules[leaf] = None
-
-
-def _clone(module: nn.Module) -> nn.Module:
-    clone = object.__new__(type(module))
-    clone.__dict__ = {
-        key: type(value)(value) if isinstance(value, dict) else value for key, value in vars(module).items()
-    }
-    return clone
-
-
-def stage_device(model: nn.Module) -> torch.device:
-    """The device of the model's parameters (CPU when it has none)."""
-    for param in model.parameters():
-        return param.device
-    return torch.device("cpu")
+    children[leaf] = None

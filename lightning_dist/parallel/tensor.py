@@ -59,6 +59,15 @@ def expand_plan(module: nn.Module, plan: TensorParallelPlan) -> dict[str, Parall
     return expanded
 
 
+def restrict_plan(module: nn.Module, plan: TensorParallelPlan) -> dict[str, ParallelStyle | str]:
+    """The patterns of ``plan`` that match a module of ``module`` (a pipeline stage holds only part of the model).
+
+    Check the whole plan against the whole model first (:func:`expand_plan`), so a typo still fails.
+    """
+    names = [name for name, _ in module.named_modules() if name]
+    return {pattern: style for pattern, style in plan.items() if any(fnmatch.fnmatchcase(n, pattern) for n in names)}
+
+
 class ReplicateParallel(ParallelStyle):
     """Keep a module's parameters whole on every tp rank, as replicated DTensors.
 

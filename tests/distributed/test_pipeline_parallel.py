@@ -247,3 +247,10 @@ def test_bubble_fraction_matches_gpipe_theory(microbatches: int) -> None:
     assert len(bubbles) == 3
     # the first step also builds the schedule's buffers; the sleeps make steps 2 and 3 exact up to scheduling noise
     np.testing.assert_allclose(bubbles[1:], theory, atol=0.05)
+
+
+def test_pp1_with_virtual_stages_and_dp_matches_one_process(reference_4l: dict, tmp_path: Path) -> None:
+    """pp=1 is a layout without pipeline peers: virtual stages must never send to a data-parallel peer."""
+    layout = ["parallelism=pp", "parallelism.pp=1", "parallelism.dp_shard=2", "cluster.devices=2"]
+    schedule = ["parallelism.schedule=Interleaved1F1B", "parallelism.stages_per_rank=2", "parallelism.microbatches=4"]
+    assert_same_run(run_app([*FAST, *layout, *schedule, FOUR_LAYERS], tmp_path), reference_4l)

@@ -74,3 +74,10 @@ def test_describe_and_flags() -> None:
 def test_mesh_before_build_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="before build_mesh"):
         _ = ParallelDims(1).mesh
+
+
+def test_tp_minus_one_takes_the_rest_and_only_one_degree_may() -> None:
+    assert ParallelDims(8, dp_shard=2, tp=-1).tp == 4
+    assert ParallelDims(8, dp_shard=1, tp=-1, pp=2).tp == 4
+    with pytest.raises(ValueError, match=r"dp_shard=-1 and tp=-1: only one data-parallel degree \(or tp\)"):
+        ParallelDims(8, dp_shard=-1, tp=-1)

@@ -1,0 +1,319 @@
+"""MeshStrategy: the one Lightning strategy for every layout of a ``(pp, dp_replicate, dp_shard, tp)`` device mesh.
+
+Which path runs follows from the degrees alone: ``pp > 1`` splits the model into pipeline stages
+(:class:`~lightning_dist.strategies.stages.PipelineStages`), otherwise the whole model is parallelized. Both go through
+:func:`lightning_dist.parallel.compose.parallelize` (TP, then FSDP2 / replication). ``TensorParallelStrategy`` and
+``PipelineParallelStrategy`` are named presets of this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from typing_extensions import override
+
+from lightning_dist import _compat, checkpoint
+from lightning_dist.contract import module_hook
+from lightning_dist.parallel import pipeline
+from lightning_dist.parallel.clip import clip_grad_norm_
+from lightning_dist.parallel.compose import parallelize
+from lightning_dist.parallel.tensor import TensorParallelPlan
+from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.stages import PipelineStages
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
+    """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
+
+    Example::
+
+        Trainer(strategy=MeshStrategy(tp=2, dp_shard=-1), devices=4)               # TP inside, FSDP2 across
+        Trainer(strategy=MeshStrategy(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=2), devices=4)
+        Trainer(strategy=MeshStrategy(parallel_dims=ParallelDims(world_size=4, tp=2)), devices=4)
+
+    The model is parallelized after ``configure_model``: with ``plan`` when given, else with the module's
+    ``tensor_parallel_plan()``; under ``pp > 1`` split by its ``pipeline_spec()`` (see
+    :class:`~lightning_dist.contract.ParallelModule`). A module whose ``configure_model`` already made DTensor
+    parameters (hand-written ``parallelize_module`` / ``fully_shard`` on ``self.device_mesh``) is left as it is.
+    Gradients are clipped by the norm over every axis and logged as ``train/grad_norm``. Checkpoints are sharded
+    (``torch.distributed.checkpoint``) and resume exactly.
+
+    Args:
+        dp_replicate: Replica degree (HSDP when ``dp_shard > 1`` too); ``-1`` = the rest of the world size.
+        dp_shard: FSDP2 shard degree; ``-1`` = the rest.
+        tp: Tensor-parallel degree; ``-1`` = the rest.
+        pp: Pipeline degree.
+        parallel_dims: A layout built already (the app builds it once from the config); replaces the four degrees.
+        sequence_parallel: TP: shard norms and residuals along the sequence.
+        loss_parallel: TP: cross-entropy on vocab-sharded logits.
+        plan: TP: module-name pattern -> ``ParallelStyle`` or ``"colwise"`` / ``"rowwise"`` / ``"sequence"``.
+        schedule: PP: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``,
+            ``ZBVZeroBubble`` or ``DualPipeV``.
+        microbatches: PP: microbatches per step, dividing the per-rank batch; ``None`` = ``pp x stages_per_rank``.
+        stages_per_rank: PP: virtual stages per rank (2+ for the interleaved / looped / V schedules).
+        split_points: PP: block names that start a new stage (``["layers.2"]``); ``None`` = balanced by parameters.
+        process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
+        timeout: Collective timeout: a rank that stops answering ends the job after this long.
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        parallel_dims: ParallelDims | None = None,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        plan: TensorParallelPlan | None = None,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        stages_per_rank: int = 1,
+        split_points: Sequence[str] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+        self._parallel_dims = parallel_dims
+        if parallel_dims is not None:
+            pp = parallel_dims.pp
+        self._pipelined = pp > 1
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self._plan = plan
+        self.schedule_name = pipeline.resolve_schedule(schedule, stages_per_rank)
+        self.stages_per_rank = stages_per_rank
+        self.microbatches = microbatches if microbatches is not None else pp * stages_per_rank
+        pipeline.check_microbatches(self.schedule_name, self.microbatches, pp, stages_per_rank)
+        self.split_points = list(split_points) if split_points else None
+        self._pipeline: PipelineStages | None = None
+        self._parallelized = False
+        self._clip_val: float | None = None
+
+    # --------------------------------------------------------------------------------------------------- layout
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The validated layout; available once the number of processes is known."""
+        if self._parallel_dims is None:
+            raise RuntimeError(f"{type(self).__name__}.parallel_dims was read before the Trainer set up processes.")
+        return self._parallel_dims
+
+    @property
+    def pipeline(self) -> PipelineStages | None:
+        """This rank's pipeline stages and schedule (``pp > 1``, after ``setup``), else ``None``."""
+        return self._pipeline
+
+    @override
+    def before_launch(self) -> None:
+        # The number of processes is known here, before Lightning launches any: the layout fails once, here.
+        world_size = self.num_nodes * self.num_processes
+        if self._parallel_dims is None:
+            self._parallel_dims = ParallelDims(world_size=world_size, **self._degrees)
+        elif self._parallel_dims.world_size != world_size:
+            raise ValueError(
+                f"parallel_dims is laid out for world_size={self._parallel_dims.world_size} but the Trainer runs "
+                f"{world_size} processes (devices={self.num_processes} x num_nodes={self.num_nodes}); make them equal."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        _compat.setup_distributed(self)
+        if self._parallel_dims is None:  # launched externally (torchrun): no launcher was configured here
+            self.before_launch()
+        mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        _compat.set_device_mesh(self, self.lightning_module, mesh)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks that share a data-parallel coordinate (tp / pp peers) must read the same batches.
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank(self.global_rank)}
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # A pipelined model is only ever built on the meta device: each rank materializes just its own stages.
+        if self._pipelined:
+            empty_init = empty_init is not False
+        with super().tensor_init_context(empty_init=empty_init):
+            yield
+
+    # ---------------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        name = type(self).__name__
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by {name}:"
+                " the global batch is data.global_batch_size; set accumulate_grad_batches=1."
+            )
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: {name} clips by the "
+                "global norm only; use gradient_clip_algorithm='norm'."
+            )
+        if self.parallel_dims.pp_enabled and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={self.precision_plugin.precision!r} uses a gradient scaler, which pipeline schedules do "
+                "not apply; use precision='bf16-mixed' or '32-true'."
+            )
+        # Lightning's clipping sees one shard / one stage; we clip by the norm over all axes (see backward).
+        if trainer.gradient_clip_val is not None:
+            self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
+        # DTensor does not support inference tensors: validation runs under no_grad instead of inference_mode.
+        _compat.disable_inference_mode(trainer)
+        if not self._parallelized:
+            self._parallelize(self.lightning_module)
+            self._parallelized = True
+        _compat.materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        dims = self.parallel_dims
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            return  # parallelized by hand in configure_model
+        check = module_hook(module, "check_tensor_parallel")
+        if dims.tp_enabled and check is not None:
+            check(dims.tp, sequence_parallel=self.sequence_parallel)
+        tp_plan = self._tensor_parallel_plan(module) if dims.tp_enabled else None
+        param_dtype = _compute_dtype(self.precision_plugin)
+        if dims.pp_enabled:
+            self._pipeline = PipelineStages.build(
+                module,
+                dims,
+                self.global_rank,
+                self.root_device,
+                schedule=self.schedule_name,
+                stages_per_rank=self.stages_per_rank,
+                microbatches=self.microbatches,
+                split_points=self.split_points,
+                tp_plan=tp_plan,
+                param_dtype=param_dtype,
+            )
+            return
+        parallelize(module, dims, tp_plan=tp_plan, fsdp_units=_fsdp_units(module), param_dtype=param_dtype)
+
+    def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
+        if self._plan is not None:
+            return self._plan
+        method = module_hook(module, "tensor_parallel_plan")
+        if method is None:
+            raise ValueError(
+                f"tp={self.parallel_dims.tp} but {type(module).__name__} has no tensor-parallel plan; pass "
+                "plan={'layers.*.q_proj': 'colwise', ...} to the strategy, define tensor_parallel_plan() on the "
+                "module, or parallelize it by hand in configure_model."
+            )
+        return method(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return checkpoint.optimizer_state(self.model, optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint folder into this layout (see :func:`lightning_dist.checkpoint.load_sharded`).
+
+        Lightning's own loader only accepts models with DTensor parameters; a pipeline stage without TP or FSDP has
+        plain tensors, and each rank holds only its stages' parameters.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)  # a full (single-file) checkpoint
+        strict = self.lightning_module.strict_loading
+        return checkpoint.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+
+    # ------------------------------------------------------------------------------------------------- training
+    @contextmanager
+    def _loss_context(self) -> Generator[None, None, None]:
+        """Loss parallelism must wrap the loss's forward and its backward."""
+        use = self.loss_parallel and self.parallel_dims.tp_enabled
+        with loss_parallel() if use else nullcontext():
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # The loss of a loss-parallel step is a replicated DTensor; Lightning's sync_dist reduces plain tensors.
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is not None:
+            # The schedule already ran backward inside training_step; hand its gradients back instead of running a
+            # second backward, keeping Lightning's hooks (on_before_backward / on_after_backward) in place.
+            module = self.lightning_module
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline.restore_grads()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+        else:
+            with self._loss_context():
+                closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Clip by the norm over all axes (one number for the whole model) and log it as train/grad_norm.
+        pp_group = self.parallel_dims.group("pp") if self.parallel_dims.pp_enabled else None
+        norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group)
+        self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        return closure_loss
+
+    def pop_bubble_fraction(self) -> float | None:
+        """This rank's pipeline idle fraction since the last call (``None`` without a pipeline or a step)."""
+        return self._pipeline.bubble.pop_fraction() if self._pipeline is not None else None
+
+
+def _fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 wraps one by one: the module's pipeline block container, when it declares one."""
+    spec_fn = module_hook(module, "pipeline_spec")
+    if spec_fn is None:
+        return []
+    spec = spec_fn()
+    return list(_compat.module_children(spec.blocks(spec.model(module))).values())
+
+
+def _compute_dtype(precision_plugin: Any) -> torch.dtype | None:
+    """FSDP2's parameter dtype for Lightning's ``*-mixed`` precision (``None`` = keep the parameter dtype)."""
+    precision = str(getattr(precision_plugin, "precision", ""))
+    if precision == "bf16-mixed":
+        return torch.bfloat16
+    if precision == "16-mixed":
+        return torch.float16
+    return None

@@ -1,0 +1,191 @@
+"""PipelineStages: this rank's pipeline stages and schedule, run inside a normal Lightning training step.
+
+:class:`~lightning_dist.strategies.mesh.MeshStrategy` builds one when ``pp > 1``. Each rank builds only its own
+stages (the model comes from the meta device and only the kept blocks are materialized), parallelizes each stage
+with :func:`lightning_dist.parallel.compose.parallelize` like a whole model, and replaces the module's
+``compute_loss`` with a call to the schedule: forward and backward of every microbatch run inside the training step,
+the loss (mean over microbatches) is broadcast from the loss stage so every rank logs the true loss, and the
+strategy's backward only hands the schedule's gradients back. Validation runs the schedule's forward-only path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+from lightning_dist._compat import module_children
+from lightning_dist.contract import module_hook
+from lightning_dist.parallel import pipeline
+from lightning_dist.parallel.compose import parallelize
+from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
+from lightning_dist.parallel_dims import ParallelDims
+
+
+class PipelineStages:
+    """The stages this rank runs, their schedule and bubble timer; built by :meth:`build`."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        spec: pipeline.PipelineSpec,
+        stages: list[PipelineStage],
+        schedule: str,
+        microbatches: int,
+        dims: ParallelDims,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.spec = spec
+        self.stage_ids = [stage.stage_index for stage in stages]
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.schedule = pipeline.build_schedule(schedule, stages, microbatches, spec.loss_fn)
+        self.bubble = pipeline.BubbleTimer(stages, device)
+        self._stages_per_rank = len(stages)
+        self._owns_first = any(stage.is_first for stage in stages)
+        self._owns_last = any(stage.is_last for stage in stages)
+        self._pp, self._pp_group = dims.pp, dims.group("pp")
+        # The pipeline rank whose stage computes the loss: the last rank, or rank 0 for V schedules.
+        self._loss_src = 0 if schedule in pipeline.V_SCHEDULES else dims.pp - 1
+        self._device = device
+        self._grads: list[tuple[nn.Parameter, Tensor | None]] = []
+
+    @classmethod
+    def build(
+        cls,
+        module: pl.LightningModule,
+        dims: ParallelDims,
+        global_rank: int,
+        device: torch.device,
+        *,
+        schedule: str,
+        stages_per_rank: int,
+        microbatches: int,
+        split_points: Sequence[str] | None,
+        tp_plan: TensorParallelPlan | None,
+        param_dtype: torch.dtype | None,
+    ) -> PipelineStages:
+        """Split ``module``'s model, keep and materialize this rank's stages, parallelize them, build the schedule.
+
+        Stages talk over the ``pp`` axis's group only: with data parallelism beside the pipeline, the world group
+        would send activations to a data-parallel peer.
+        """
+        spec = _pipeline_spec(module)
+        model = spec.model(module)
+        num_stages = dims.pp * stages_per_rank
+        keys, costs = pipeline.block_costs(model, spec)
+        if split_points:
+            groups = pipeline.split_at(keys, spec.blocks_attr, split_points, num_stages)
+        else:
+            groups = pipeline.balanced_split(costs, num_stages)
+        if tp_plan is not None:
+            expand_plan(module, tp_plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
+            prefix = f"{spec.model_attr}."
+            tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
+        pp_rank = dims.coordinates(global_rank)["pp"]
+        stage_ids = pipeline.stage_ids(pp_rank, dims.pp, stages_per_rank, schedule)
+        stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
+        owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
+        pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
+        _materialize(module, model, device)
+
+        pp_group = dims.group("pp")
+        stages = []
+        for sid, blocks in zip(stage_ids, stage_blocks):
+            view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
+            parallelize(
+                view,
+                dims,
+                # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
+                tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
+                fsdp_units=list(module_children(spec.blocks(view)).values()),
+                fsdp_roots=[view],
+                param_dtype=param_dtype,
+                # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
+                reshard_after_forward=False,
+            )
+            stages.append(PipelineStage(view, sid, num_stages, device, group=pp_group))
+        runner = cls(module, spec, stages, schedule, microbatches, dims, device)
+        # The module's own training_step / validation_step call compute_loss: route it through the schedule.
+        module.compute_loss = runner.compute_loss
+        return runner
+
+    def compute_loss(self, batch: Any) -> Tensor:
+        """Run the schedule on ``batch``; return the mean microbatch loss, the same on every pipeline rank."""
+        spec = self.spec
+        inputs, targets = spec.split_batch(batch) if spec.split_batch is not None else batch
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        pipeline.check_microbatches(
+            self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=targets.shape[0]
+        )
+        kwargs: dict[str, Any] = {"target": targets if self._owns_last else None}
+        losses: list[Tensor] | None = [] if self._owns_last else None
+        kwargs["losses"] = losses
+        if self.module.training and torch.is_grad_enabled():
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            for param in params:
+                param.grad = None  # the schedule accumulates into .grad
+            with self.bubble.step():
+                self.schedule.step(*(args if self._owns_first else ()), **kwargs)
+            # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
+            self._grads = [(p, p.grad) for p in params]
+            for param in params:
+                param.grad = None
+        else:
+            if self.schedule_name in pipeline.V_SCHEDULES:
+                raise ValueError(
+                    f"schedule={self.schedule_name}: torch 2.13's eval() fails for V schedules; "
+                    "disable validation (limit_val_batches=0, num_sanity_val_steps=0) or use Interleaved1F1B."
+                )
+            self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
+        if losses is not None:
+            loss = torch.stack([_local(loss).detach().float() for loss in losses]).mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        return pipeline.broadcast_loss(loss, self._loss_src, self._pp_group)
+
+    def restore_grads(self) -> None:
+        """Put back the gradients the schedule computed in the last training step (called from backward)."""
+        for param, grad in self._grads:
+            param.grad = grad
+        self._grads = []
+
+
+def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
+    spec_fn = module_hook(module, "pipeline_spec")
+    if spec_fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec "
+            "(model, blocks, first/last parts, loss), or set pp=1."
+        )
+    spec: pipeline.PipelineSpec = spec_fn()
+    if spec.loss_fn is None:
+        raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
+    return spec
+
+
+def _materialize(module: pl.LightningModule, model: nn.Module, device: torch.device) -> None:
+    """Allocate the kept stages and initialize them as the whole model would have been."""
+    if not any(p.is_meta for p in model.parameters()):
+        return  # built for real in __init__: the kept blocks keep their values
+    model.to_empty(device=device)
+    reset = module_hook(module, "reset_parameters")
+    if reset is not None:
+        reset()  # GPTModule: init_weights(seed) by parameter name, the same on any split
+    elif callable(getattr(model, "init_weights", None)):
+        model.init_weights()
+    else:
+        for submodule in model.modules():
+            if callable(getattr(submodule, "reset_parameters", None)):
+                submodule.reset_parameters()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    # A loss-parallel loss is a replicated DTensor.
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
