@@ -167,3 +167,23 @@ def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]],
     """Replace each of ``stage``'s chunk methods (:data:`PIPELINE_STAGE_CHUNKS`) by ``wrap(method)`` on the object."""
     for name in PIPELINE_STAGE_CHUNKS:
         setattr(stage, name, wrap(getattr(stage, name)))
+
+
+# ----------------------------------------------------------------------------------------------- Lightning data
+def take_over_distributed_sampler(trainer: Any) -> bool:
+    """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
+
+    The flag lives on the Trainer's private accelerator connector. A strategy that shards loaders itself (in
+    ``process_dataloader``) must keep Lightning from putting its own shuffling ``DistributedSampler`` in front first.
+    """
+    connector = trainer._accelerator_connector
+    was_on = bool(connector.use_distributed_sampler)
+    connector.use_distributed_sampler = False
+    return was_on
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """Lightning's re-instantiation of a (possibly subclassed) DataLoader with a new sampler, other arguments kept."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)

@@ -57,12 +57,7 @@ def parallelize(
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:
         if fsdp_roots is None:
-            unit_ids = {id(unit) for unit in fsdp_units}
-            fsdp_roots = [
-                child
-                for child in module.children()
-                if id(child) not in unit_ids and any(True for _ in child.parameters())
-            ]
+            fsdp_roots = _fsdp_roots(module, {id(unit) for unit in fsdp_units})
         apply_fsdp(
             fsdp_units,
             fsdp_roots,
@@ -71,3 +66,27 @@ def parallelize(
             reshard_after_forward=reshard_after_forward,
         )
     return applied
+
+
+def _fsdp_roots(module: nn.Module, unit_ids: set[int]) -> list[nn.Module]:
+    """The modules below ``module`` that own every parameter outside the units: its children, looking through
+    ``nn.ModuleDict`` / ``nn.ModuleList`` (FSDP2 wraps only modules with a ``forward``).
+
+    Raises:
+        ValueError: ``module`` holds parameters itself; left out of FSDP2 they would never be synchronized.
+    """
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(module).__name__} holds parameters directly ({', '.join(own)}), which data parallelism cannot "
+            "shard or synchronize here; move them into a submodule (e.g. an nn.Module attribute that uses them)."
+        )
+    roots: list[nn.Module] = []
+    for child in module.children():
+        if id(child) in unit_ids or not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            roots.extend(_fsdp_roots(child, unit_ids))
+        else:
+            roots.append(child)
+    return roots
