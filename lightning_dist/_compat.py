@@ -22,7 +22,7 @@ def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMe
 
     ``DeviceMesh._flatten`` is private in torch 2.6-2.13; torchtitan uses the same call for its ``dp`` axis.
     """
-    return mesh[axes]._flatten(name)
+    return mesh[axes if len(axes) > 1 else axes[0]]._flatten(name)
 
 
 def disable_inference_mode(trainer) -> None:

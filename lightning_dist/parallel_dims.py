@@ -144,7 +144,7 @@ class ParallelDims:
 
     # ---------------------------------------------------------------------------------------------- device mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build (once) the 4-D device mesh with axes ``AXES`` and a flattened ``dp`` axis.
+        """Build (once) the 4-D device mesh with axes ``AXES``, a flattened ``dp`` axis, and Lightning's axis names.
 
         Needs an initialized default process group. Axes of degree 1 are kept so that ``mesh["tp"]`` etc. always
         exist; they cost nothing.
@@ -156,6 +156,10 @@ class ParallelDims:
 
             mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
             flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+            # The names Lightning's ModelParallelStrategy gives its 2-D mesh, so a configure_model written for it
+            # (Lightning's own examples) runs unchanged: device_mesh["data_parallel"], device_mesh["tensor_parallel"].
+            flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "data_parallel")
+            flatten_mesh(mesh, ("tp",), "tensor_parallel")
             self._mesh = mesh
         return self._mesh
 

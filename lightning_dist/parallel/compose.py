@@ -41,6 +41,7 @@ def parallelize(
         Module name -> tensor-parallel style applied.
     """
     mesh = dims.mesh
+    ties = shared_parameters(module)
     applied: dict[str, str] = {}
     # 1. Tensor parallelism first: it turns weights into DTensors on the tp axis, which FSDP2 then shards
     #    further along dp (a 2-D DTensor). FSDP2 cannot be undone to let TP go second.
@@ -56,16 +57,63 @@ def parallelize(
     # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:
+        # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
+        # together (a unit holding one is left to the root that holds the rest).
+        tied = {id(module.get_parameter(group[0])) for group in ties}
+        fsdp_units = [unit for unit in fsdp_units if not any(id(p) in tied for p in unit.parameters())]
         if fsdp_roots is None:
             fsdp_roots = _fsdp_roots(module, {id(unit) for unit in fsdp_units})
         apply_fsdp(
             fsdp_units,
-            fsdp_roots,
+            _group_tied(fsdp_roots, tied),
             mesh[dims.fsdp_mesh_axes],
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
         )
+    check_ties_kept(module, ties)
     return applied
+
+
+def shared_parameters(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one parameter (tied weights, e.g. an embedding and an output head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def check_ties_kept(module: nn.Module, ties: list[list[str]]) -> None:
+    """Raise when parallelizing turned one shared parameter into several: the copies would train apart."""
+    for group in ties:
+        present = [name for name in group if _has_parameter(module, name)]
+        if len({id(module.get_parameter(name)) for name in present}) > 1:
+            raise ValueError(
+                f"{' and '.join(present)} are one parameter (tied weights), but parallelizing (tensor parallelism / "
+                "FSDP2) made separate ones of them that would train apart; untie them in the model, or leave both "
+                "modules out of the tensor-parallel plan (replicated, they stay one parameter)."
+            )
+
+
+def _group_tied(roots: Sequence[nn.Module], tied: set[int]) -> list[nn.Module | list[nn.Module]]:
+    """``roots`` with every set of modules that share a parameter merged into one list (one FSDP2 unit)."""
+    groups: list[list[nn.Module]] = []
+    for root in roots:
+        shared = {id(p) for p in root.parameters()} & tied
+        matches = [group for group in groups if shared & {id(p) for m in group for p in m.parameters()}]
+        merged = [root]
+        for group in matches:
+            groups.remove(group)
+            merged = group + merged
+        groups.append(merged)
+    return [group[0] if len(group) == 1 else group for group in groups]
+
+
+def _has_parameter(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+    except AttributeError:  # a part a pipeline stage does not hold
+        return False
+    return True
 
 
 def _fsdp_roots(module: nn.Module, unit_ids: set[int]) -> list[nn.Module]:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 def apply_fsdp(
     units: Iterable[nn.Module],
-    roots: Iterable[nn.Module],
+    roots: Iterable[nn.Module | list[nn.Module]],
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
@@ -30,7 +30,8 @@ def apply_fsdp(
 
     Args:
         units: Modules sharded as their own FSDP unit, in execution order.
-        roots: Modules called by the training step that hold the remaining parameters.
+        roots: Modules called by the training step that hold the remaining parameters; a list of modules is one
+            unit (modules sharing a parameter must be, or FSDP2 makes two parameters of it).
         dp_mesh: 1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP / replication.
         param_dtype: Compute dtype of the gathered parameters (bf16 for mixed precision); gradients are
             reduced in float32.

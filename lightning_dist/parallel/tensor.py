@@ -100,7 +100,16 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorPa
         The concrete module names and the style applied to each (for logs and the layout table).
     """
     expanded = expand_plan(module, plan)
-    parallelize_module(module, tp_mesh, expanded)
+    for name, style in expanded.items():
+        try:
+            parallelize_module(module, tp_mesh, {name: style})
+        except (NotImplementedError, ValueError, TypeError, AttributeError) as err:
+            layer = type(module.get_submodule(name)).__name__
+            raise ValueError(
+                f"tensor-parallel plan: {name} ({layer}) cannot take {type(style).__name__}: {err}; change that "
+                f"pattern (torch's colwise / rowwise styles take nn.Linear and nn.Embedding) or leave {name} out "
+                "of the plan to replicate it."
+            ) from err
     leftovers = {
         name: ReplicateParallel()
         for name, child in module.named_modules()

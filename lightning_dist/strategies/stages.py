@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from lightning_dist._compat import module_children
 from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline
-from lightning_dist.parallel.compose import parallelize
+from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -55,6 +55,7 @@ class PipelineStages:
         self._loss_src = 0 if schedule in pipeline.V_SCHEDULES else dims.pp - 1
         self._device = device
         self._grads: list[tuple[nn.Parameter, Tensor | None]] = []
+        self._stepped = False  # the schedule ran in this training step (and backward has not taken its gradients)
 
     @classmethod
     def build(
@@ -88,6 +89,7 @@ class PipelineStages:
             expand_plan(module, tp_plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
             prefix = f"{spec.model_attr}."
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
+        _check_ties_within_stages(model, spec, keys, groups)
         pp_rank = dims.coordinates(global_rank)["pp"]
         stage_ids = pipeline.stage_ids(pp_rank, dims.pp, stages_per_rank, schedule)
         stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
@@ -135,6 +137,7 @@ class PipelineStages:
                 self.schedule.step(*(args if self._owns_first else ()), **kwargs)
             # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
             self._grads = [(p, p.grad) for p in params]
+            self._stepped = True
             for param in params:
                 param.grad = None
         else:
@@ -151,10 +154,50 @@ class PipelineStages:
         return pipeline.broadcast_loss(loss, self._loss_src, self._pp_group)
 
     def restore_grads(self) -> None:
-        """Put back the gradients the schedule computed in the last training step (called from backward)."""
+        """Put back the gradients the schedule computed in the last training step (called from backward).
+
+        Raises:
+            RuntimeError: The training step did not run the schedule (its ``training_step`` called the model itself,
+                not ``self.compute_loss``): no parameter would be updated.
+        """
+        if not self._stepped:
+            raise RuntimeError(
+                f"{type(self.module).__name__}.training_step did not call self.compute_loss(batch): under "
+                f"pp={self._pp} the pipeline schedule runs forward and backward inside compute_loss, so nothing would "
+                "be trained; compute the loss with self.compute_loss(batch) in training_step and return it."
+            )
+        self._stepped = False
         for param, grad in self._grads:
             param.grad = grad
         self._grads = []
+
+
+def _check_ties_within_stages(
+    model: nn.Module, spec: pipeline.PipelineSpec, keys: list[str], groups: list[list[int]]
+) -> None:
+    """Raise when a shared parameter's users would sit on different stages (each stage would train its own copy)."""
+    prefix = f"{spec.blocks_attr}." if spec.blocks_attr else ""
+    stage_of_block = {prefix + keys[i]: stage for stage, group in enumerate(groups) for i in group}
+    last = len(groups) - 1
+
+    def stage_of(name: str) -> int:
+        for block, stage in stage_of_block.items():
+            if name.startswith(block + "."):
+                return stage
+        if any(name == part or name.startswith(part + ".") for part in spec.first):
+            return 0
+        if any(name == part or name.startswith(part + ".") for part in spec.last):
+            return last
+        return -1  # outside the blocks and the first / last parts: kept on every stage
+
+    for group in shared_parameters(model):
+        stages = {stage_of(name) for name in group} - {-1}
+        if len(stages) > 1:
+            raise ValueError(
+                f"{' and '.join(group)} are one parameter (tied weights) but would sit on pipeline stages "
+                f"{sorted(stages)}, each training its own copy; untie them in the model (e.g. tie_embeddings=false), "
+                "or use a layout without pp for this model."
+            )
 
 
 def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:

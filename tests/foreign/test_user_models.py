@@ -1,0 +1,229 @@
+"""Models written the way users write them, on the cases that used to pass silently (exit 0, a different curve).
+
+One 2-rank launch runs every scenario in turn (sharing its process group); each either trains to the one-process
+losses or stops with a message naming the cause and the fix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import MeshStrategy, PipelineParallelStrategy, PipelineSpec, TensorParallelStrategy
+from lightning_dist.launch import launch
+
+WIDTH, STEPS, BATCH = 8, 6, 8
+
+
+def _loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * STEPS, WIDTH, generator=generator)
+    return DataLoader(TensorDataset(x, torch.tanh(x.flip(-1))), batch_size=BATCH)
+
+
+class _Base(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.losses.append(float(self.trainer.callback_metrics["loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SkipsComputeLoss(_Base):
+    """A pipeline-described model whose training_step calls the model itself (not self.compute_loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(OrderedDict((f"b{i}", nn.Linear(WIDTH, WIDTH)) for i in range(4)))
+
+    def compute_loss(self, batch):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(model_attr="net", loss_fn=F.mse_loss)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.log("loss", loss)
+        return loss
+
+
+class LightningExample(_Base):
+    """configure_model as Lightning's own tensor-parallel example writes it for ModelParallelStrategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = nn.Linear(WIDTH, 4 * WIDTH)
+        self.w2 = nn.Linear(4 * WIDTH, WIDTH)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.device_mesh is None:  # one process, no strategy mesh
+            return
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        parallelize_module(self, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        if dp_mesh.size() > 1:
+            fully_shard(self, mesh=dp_mesh)
+
+    @property
+    def device_mesh(self):  # Lightning raises outside ModelParallelStrategy; the example only reads it there
+        return self._device_mesh
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.w2(F.gelu(self.w1(batch[0]))), batch[1])
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+
+class TiedLM(_Base):
+    """An embedding and an output head sharing one weight (GPT-2's default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            OrderedDict(
+                [
+                    ("embed", nn.Embedding(16, WIDTH)),
+                    ("mix", nn.Linear(WIDTH, WIDTH)),
+                    ("head", nn.Linear(WIDTH, 16, bias=False)),
+                ]
+            )
+        )
+        self.net.head.weight = self.net.embed.weight
+
+    def compute_loss(self, batch):
+        tokens = batch[0]
+        return F.cross_entropy(self.net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(
+            model_attr="net",
+            loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
+            split_batch=lambda batch: (batch[0][:, :-1], batch[0][:, 1:]),
+        )
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+
+class Conv1D(nn.Module):
+    """GPT-2's (transformers) Conv1D: a linear layer with its weight stored (in, out); not an nn.Linear."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+class WithConv1D(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(4 * WIDTH, WIDTH)
+
+    def training_step(self, batch, batch_idx):
+        return self.c_fc(batch[0]).square().mean()
+
+
+def _token_loader(batch_size: int = BATCH) -> DataLoader:
+    tokens = torch.randint(0, 16, (BATCH * STEPS, 9), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens), batch_size=batch_size)
+
+
+def _fit(module: _Base, strategy: Any, devices: int, loader: DataLoader) -> list[float] | str:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, loader)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return module.losses
+
+
+def _one_process() -> dict[str, Any]:
+    return {
+        "lightning_example": _fit(LightningExample(), "auto", 1, _loader()),
+        "tied": _fit(TiedLM(), "auto", 1, _token_loader()),
+    }
+
+
+def _two_ranks() -> dict[str, Any]:
+    tied_plan = {"net.embed": "rowwise", "net.head": "colwise"}
+    results = {
+        "skips_compute_loss": _fit(SkipsComputeLoss(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _loader()),
+        "lightning_example_tp": _fit(LightningExample(), TensorParallelStrategy(tp=2), 2, _loader()),
+        "tied_tp": _fit(TiedLM(), TensorParallelStrategy(tp=2, plan=tied_plan), 2, _token_loader()),
+        "tied_pp": _fit(TiedLM(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _token_loader()),
+        "conv1d": _fit(WithConv1D(), TensorParallelStrategy(tp=2, plan={"c_fc": "colwise"}), 2, _loader()),
+    }
+    module = TiedLM()
+    results["tied_fsdp"] = _fit(module, MeshStrategy(dp_shard=2), 2, _token_loader(BATCH // 2))
+    results["tied_fsdp_still_tied"] = module.net.head.weight is module.net.embed.weight
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, Any]:
+    return launch(_one_process, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return launch(_two_ranks, 2)
+
+
+def test_pipeline_training_step_without_compute_loss_stops(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        assert "SkipsComputeLoss.training_step did not call self.compute_loss(batch)" in rank["skips_compute_loss"]
+
+
+def test_lightning_example_configure_model_runs_unchanged(two_ranks, one_process) -> None:
+    for rank in two_ranks:
+        assert isinstance(rank["lightning_example_tp"], list), rank["lightning_example_tp"]
+        np.testing.assert_allclose(rank["lightning_example_tp"], one_process["lightning_example"], rtol=1e-5)
+
+
+def test_a_tie_split_by_tensor_or_pipeline_parallelism_is_an_error(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        assert "net.embed.weight and net.head.weight are one parameter (tied weights)" in rank["tied_tp"]
+        assert "would sit on pipeline stages [0, 1]" in rank["tied_pp"]
+
+
+def test_a_tie_stays_one_parameter_under_fsdp2(two_ranks, one_process) -> None:
+    for rank in two_ranks:
+        assert rank["tied_fsdp_still_tied"]
+        np.testing.assert_allclose(rank["tied_fsdp"], one_process["tied"], rtol=1e-5)
+
+
+def test_a_layer_a_style_cannot_take_is_named(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        assert "tensor-parallel plan: c_fc (Conv1D) cannot take ColwiseParallel" in rank["conv1d"]
