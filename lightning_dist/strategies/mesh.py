@@ -191,9 +191,11 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # A pipelined model is only ever built on the meta device: each rank materializes just its own stages.
-        if self._pipelined:
-            empty_init = empty_init is not False
+        # A pipelined model whose module can initialize any part of it (reset_parameters) is built on the meta device:
+        # each rank materializes just its own stages. Without that hook it is built for real, drawing the same random
+        # numbers as one process, and each rank keeps its stages' values.
+        if self._pipelined and empty_init is None:
+            empty_init = module_hook(self.lightning_module, "reset_parameters") is not None
         with super().tensor_init_context(empty_init=empty_init):
             yield
 

@@ -214,19 +214,23 @@ def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
 
 
 def _materialize(module: pl.LightningModule, model: nn.Module, device: torch.device) -> None:
-    """Allocate the kept stages and initialize them as the whole model would have been."""
+    """Allocate the kept stages and initialize them as the whole model would have been.
+
+    Only the module's own ``reset_parameters`` can do that (e.g. seeded by parameter name): re-running each layer's
+    initializer on a part of the model would draw other random numbers than one process did.
+    """
     if not any(p.is_meta for p in model.parameters()):
-        return  # built for real in __init__: the kept blocks keep their values
-    model.to_empty(device=device)
+        return  # built for real (in __init__ or configure_model): the kept blocks keep their values
     reset = module_hook(module, "reset_parameters")
-    if reset is not None:
-        reset()  # GPTModule: init_weights(seed) by parameter name, the same on any split
-    elif callable(getattr(model, "init_weights", None)):
-        model.init_weights()
-    else:
-        for submodule in model.modules():
-            if callable(getattr(submodule, "reset_parameters", None)):
-                submodule.reset_parameters()
+    if reset is None:
+        raise ValueError(
+            f"{type(module).__name__}'s model is on the meta device and the module has no reset_parameters(), so a "
+            "pipeline stage cannot be initialized as one process would; build the model for real (in __init__ or "
+            "configure_model without empty_init), or define reset_parameters() giving every parameter its "
+            "one-process value (e.g. seeded by parameter name)."
+        )
+    model.to_empty(device=device)
+    reset()
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -61,6 +61,29 @@ class SkipsComputeLoss(_Base):
         return loss
 
 
+class BuiltInConfigureModel(_Base):
+    """The pipelined model is built in configure_model, as Lightning recommends for large models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(OrderedDict((f"b{i}", nn.Linear(WIDTH, WIDTH)) for i in range(4)))
+
+    def compute_loss(self, batch):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(model_attr="net", loss_fn=F.mse_loss)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+
 class LightningExample(_Base):
     """configure_model as Lightning's own tensor-parallel example writes it for ModelParallelStrategy."""
 
@@ -162,6 +185,7 @@ def _fit(module: _Base, strategy: Any, devices: int, loader: DataLoader) -> list
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    torch.manual_seed(1)  # what a model built in configure_model draws from
     try:
         trainer.fit(module, loader)
     except (ValueError, RuntimeError) as err:
@@ -173,6 +197,7 @@ def _one_process() -> dict[str, Any]:
     return {
         "lightning_example": _fit(LightningExample(), "auto", 1, _loader()),
         "tied": _fit(TiedLM(), "auto", 1, _token_loader()),
+        "configure_model": _fit(BuiltInConfigureModel(), "auto", 1, _loader()),
     }
 
 
@@ -183,6 +208,9 @@ def _two_ranks() -> dict[str, Any]:
         "lightning_example_tp": _fit(LightningExample(), TensorParallelStrategy(tp=2), 2, _loader()),
         "tied_tp": _fit(TiedLM(), TensorParallelStrategy(tp=2, plan=tied_plan), 2, _token_loader()),
         "tied_pp": _fit(TiedLM(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _token_loader()),
+        "configure_model_pp": _fit(
+            BuiltInConfigureModel(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _loader()
+        ),
         "conv1d": _fit(WithConv1D(), TensorParallelStrategy(tp=2, plan={"c_fc": "colwise"}), 2, _loader()),
     }
     module = TiedLM()
@@ -227,3 +255,9 @@ def test_a_tie_stays_one_parameter_under_fsdp2(two_ranks, one_process) -> None:
 def test_a_layer_a_style_cannot_take_is_named(two_ranks: list[dict[str, Any]]) -> None:
     for rank in two_ranks:
         assert "tensor-parallel plan: c_fc (Conv1D) cannot take ColwiseParallel" in rank["conv1d"]
+
+
+def test_a_pipelined_model_built_in_configure_model_starts_from_the_one_process_weights(two_ranks, one_process) -> None:
+    for rank in two_ranks:
+        assert isinstance(rank["configure_model_pp"], list), rank["configure_model_pp"]
+        np.testing.assert_allclose(rank["configure_model_pp"], one_process["configure_model"], rtol=1e-5)
