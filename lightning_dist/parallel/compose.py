@@ -52,6 +52,7 @@ def parallelize(
                 "tensor_parallel_plan() on the LightningModule."
             )
         applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
+        retie(module, ties)
     # 2. (Activation checkpointing goes here: after TP so it wraps the parallelized blocks, before FSDP so
     #    FSDP's all-gathers are re-issued for the recomputation.)
     # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
@@ -80,6 +81,24 @@ def shared_parameters(module: nn.Module) -> list[list[str]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def retie(module: nn.Module, ties: list[list[str]]) -> None:
+    """Make each tied group one parameter again where tensor parallelism gave its copies the same layout.
+
+    Styles replace each module's parameters, so a weight shared by an embedding (rowwise: vocab rows sharded) and
+    a head (colwise: the same vocab rows sharded) comes out as two DTensors with one layout; registering the first
+    on every user keeps them one parameter, whose gradient sums both uses as in one process.
+    """
+    for group in ties:
+        params = [module.get_parameter(name) for name in group if _has_parameter(module, name)]
+        layouts = {(getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ())), p.shape) for p in params}
+        if len(params) < 2 or len(layouts) != 1:
+            continue  # left for check_ties_kept to report
+        for name in group[1:]:
+            if _has_parameter(module, name):
+                parent, _, leaf = name.rpartition(".")
+                (module.get_submodule(parent) if parent else module).register_parameter(leaf, params[0])
 
 
 def check_ties_kept(module: nn.Module, ties: list[list[str]]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ class PipelineSpec:
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` mean loss of one microbatch.
         split_batch: ``split_batch(batch) -> (inputs, targets)``; ``inputs`` a tensor or a tuple of tensors
             (batch dim first). ``None`` = the batch is already ``(inputs, targets)``.
+        stage_forward: ``stage_forward(stage_model, *inputs) -> Tensor`` run by each stage instead of the model's
+            own ``forward`` (for models whose ``forward`` cannot skip the parts a stage lacks, e.g. HF's); ``None``
+            = the model's ``forward``, which must then follow the stage contract (see ``ParallelModule``).
     """
 
     model_attr: str
@@ -63,6 +67,7 @@ class PipelineSpec:
     last: tuple[str, ...] = ()
     loss_fn: Callable[[Any, Tensor], Tensor] | None = None
     split_batch: Callable[[Any], tuple[Any, Tensor]] | None = None
+    stage_forward: Callable[..., Tensor] | None = None
 
     def model(self, module: nn.Module) -> nn.Module:
         """The model to split, read from ``module`` (the LightningModule)."""
@@ -255,6 +260,8 @@ def stage_view(model: nn.Module, spec: PipelineSpec, keys: Sequence[str], first:
         if not owned:
             for name in names:
                 _set_none(view, name)
+    if spec.stage_forward is not None:
+        view.forward = types.MethodType(spec.stage_forward, view)  # on this view only; nn.Module calls self.forward
     return view
 
 

@@ -195,8 +195,8 @@ def _check_ties_within_stages(
         if len(stages) > 1:
             raise ValueError(
                 f"{' and '.join(group)} are one parameter (tied weights) but would sit on pipeline stages "
-                f"{sorted(stages)}, each training its own copy; untie them in the model (e.g. tie_embeddings=false), "
-                "or use a layout without pp for this model."
+                f"{sorted(stages)}, each training its own copy; untie them in the model (tie_embeddings=false; HF: "
+                "tie_word_embeddings=False), or use a layout without pp for this model."
             )
 
 

@@ -1,0 +1,109 @@
+"""Tiny HuggingFace causal LMs (configs built here, nothing downloaded) under TP and PP against one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import PipelineParallelStrategy, TensorParallelStrategy
+from lightning_dist.launch import launch
+from lightning_dist.models.hf import HFCausalLM
+
+STEPS, BATCH, SEQ, VOCAB = 6, 4, 16, 64
+
+
+def _llama(tied: bool = False) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
+    tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    module = HFCausalLM(_llama(tied=kind == "tied"), lr=1e-2)
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[Record()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=BATCH))
+    except (ValueError, RuntimeError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    head, embed = module.model.lm_head, module.model.model.embed_tokens  # a pipeline stage may hold neither
+    return {"losses": losses, "tied": head is not None and embed is not None and head.weight is embed.weight}
+
+
+def _one_process() -> dict[str, Any]:
+    return {kind: _fit(kind, "auto", 1) for kind in ("untied", "tied")}
+
+
+def _two_ranks() -> dict[str, Any]:
+    return {
+        "tp": _fit("untied", TensorParallelStrategy(tp=2), 2),
+        "pp": _fit("untied", PipelineParallelStrategy(pp=2, microbatches=2), 2),
+        "tied_tp": _fit("tied", TensorParallelStrategy(tp=2), 2),
+        "tied_pp": _fit("tied", PipelineParallelStrategy(pp=2, microbatches=2), 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, Any]:
+    return launch(_one_process, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return launch(_two_ranks, 2)
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_llama_matches_one_process(layout: str, two_ranks, one_process) -> None:
+    for rank in two_ranks:
+        assert "losses" in rank[layout], rank[layout]
+        np.testing.assert_allclose(rank[layout]["losses"], one_process["untied"]["losses"], rtol=1e-5)
+
+
+def test_tied_embeddings_stay_tied_under_tp(two_ranks, one_process) -> None:
+    assert one_process["tied"]["tied"]
+    for rank in two_ranks:
+        assert "losses" in rank["tied_tp"], rank["tied_tp"]
+        assert rank["tied_tp"]["tied"]
+        np.testing.assert_allclose(rank["tied_tp"]["losses"], one_process["tied"]["losses"], rtol=1e-5)
+
+
+def test_tied_embeddings_across_pipeline_stages_stop_with_the_cause(two_ranks) -> None:
+    for rank in two_ranks:
+        assert (
+            "model.embed_tokens.weight and lm_head.weight are one parameter (tied weights) but would sit on pipeline"
+            in rank["tied_pp"]["error"]
+        )
