@@ -261,21 +261,19 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
 
 
 def build_strategy(cfg: TrainConfig, dims: ParallelDims):
-    """The Lightning strategy: Lightning's DDPStrategy for ``ddp``, else our mesh strategy over ``dims``.
+    """The Lightning strategy: Lightning's DDPStrategy (loader order kept) for ``ddp``, else our mesh strategy.
 
     ``fsdp`` is FSDP2 (torch ``fully_shard``) through the mesh strategy with ``tp=1``: Lightning's FSDPStrategy
     wraps the older FSDP1 and refuses to run on CPU.
     """
     from datetime import timedelta
 
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_dist.strategies import MeshStrategy
+    from lightning_dist.strategies import DataParallelStrategy, MeshStrategy
 
     backend = cfg.cluster.process_group_backend
     timeout = timedelta(minutes=10)
     if cfg.parallelism.strategy == "ddp":
-        return DDPStrategy(process_group_backend=backend, timeout=timeout)
+        return DataParallelStrategy(process_group_backend=backend, timeout=timeout)
     par = cfg.parallelism
     return MeshStrategy(
         parallel_dims=dims,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dist.strategies.data_parallel import DataParallelStrategy
 from lightning_dist.strategies.mesh import MeshStrategy
 from lightning_dist.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["MeshStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__all__ = ["DataParallelStrategy", "MeshStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
 
 _REGISTERED = {
     TensorParallelStrategy: "Tensor parallelism over all devices (sequence + loss parallel)",

@@ -8,7 +8,6 @@ Which path runs follows from the degrees alone: ``pp > 1`` splits the model into
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -17,31 +16,28 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_dist import _compat, checkpoint
 from lightning_dist.contract import module_hook
-from lightning_dist.data.samplers import DataParallelSampler, seed_unseeded_shuffle
 from lightning_dist.parallel import pipeline
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.stages import PipelineStages
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
+class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy):
     """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
 
     Example::
@@ -110,7 +106,6 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
         self._pipeline: PipelineStages | None = None
         self._parallelized = False
         self._clip_val: float | None = None
-        self._shard_loaders = False
 
     # --------------------------------------------------------------------------------------------------- layout
     @property
@@ -153,42 +148,6 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
         return {"num_replicas": dims.dp_size, "rank": dims.dp_rank(self.global_rank)}
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Deal the loader's own index stream out by data-parallel rank (see :mod:`lightning_dist.data.samplers`).
-
-        Only where Lightning would have injected its sampler (``use_distributed_sampler=True``, the default); a loader
-        with a ``DistributedSampler`` or an iterable dataset is the user's to shard.
-        """
-        if not self._shard_loaders or not isinstance(dataloader, DataLoader):
-            return dataloader
-        if isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader):
-            return dataloader
-        if seed_unseeded_shuffle(dataloader.sampler, int(os.environ.get("PL_GLOBAL_SEED", 0))):
-            rank_zero_warn(
-                "A DataLoader shuffles with torch's global RNG, which ranks of one layout consume differently; "
-                "lightning-dist seeded it with the run's seed so every rank reads the same order. Pass "
-                "generator=torch.Generator().manual_seed(...) to the DataLoader to choose the order."
-            )
-        dims = self.parallel_dims
-        if dims.dp_size == 1:
-            return dataloader  # tp / pp peers read the same batches: the loader's own order, untouched
-        if dataloader.batch_size is None:
-            raise ValueError(
-                f"A DataLoader with a custom batch_sampler ({type(dataloader.batch_sampler).__name__}) cannot be "
-                f"sharded over dp={dims.dp_size} ranks by lightning-dist; give it batch_size= instead, or shard it "
-                "yourself (a DistributedSampler with the strategy's distributed_sampler_kwargs) and pass "
-                "Trainer(use_distributed_sampler=False)."
-            )
-        training = self.lightning_module.trainer.training
-        DataParallelSampler.check_tail(
-            dataloader.sampler, dataloader.batch_size, dims.dp_size, dataloader.drop_last, training
-        )
-        sampler = DataParallelSampler(
-            dataloader.sampler, dataloader.batch_size, dims.dp_size, dims.dp_rank(self.global_rank)
-        )
-        return _compat.update_dataloader(dataloader, sampler)
-
-    @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # A pipelined model whose module can initialize any part of it (reset_parameters) is built on the meta device:
@@ -219,8 +178,7 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
                 f"precision={self.precision_plugin.precision!r} uses a gradient scaler, which pipeline schedules do "
                 "not apply; use precision='bf16-mixed' or '32-true'."
             )
-        # Loaders are sharded by data-parallel rank in process_dataloader, keeping the loader's own order.
-        self._shard_loaders = _compat.take_over_distributed_sampler(trainer)
+        self.take_over_loaders(trainer)
         # Lightning's clipping sees one shard / one stage; we clip by the norm over all axes (see backward).
         if trainer.gradient_clip_val is not None:
             self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy, TensorParallelStrategy
+from lightning_dist.strategies import DataParallelStrategy
 from lightning_dist.launch import launch
 
 GLOBAL_BATCH, STEPS = 8, 8
@@ -60,9 +61,10 @@ def _fit(layout: str) -> dict[str, list[float]]:
         "one": lambda: "auto",
         "tp2": lambda: TensorParallelStrategy(tp=2, plan=PLAN),
         "dp2": lambda: MeshStrategy(dp_shard=2),
+        "ddp2": lambda: DataParallelStrategy(),  # the app's parallelism=ddp: Lightning's DDP, loader order kept
     }
     devices = 1 if layout == "one" else 2
-    dp = 2 if layout == "dp2" else 1
+    dp = 2 if layout in ("dp2", "ddp2") else 1
     out = {}
     for shuffle in (False, True):
         module = Regressor()
@@ -86,7 +88,7 @@ def one_process() -> dict[str, list[float]]:
     return launch(_fit, 1, "one")[0]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "ddp2"])
 def test_own_loader_keeps_the_one_process_order(layout: str, one_process: dict[str, list[float]]) -> None:
     for rank in launch(_fit, 2, layout):
         for kind in ("sequential", "shuffled"):

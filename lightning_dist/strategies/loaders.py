@@ -1,0 +1,64 @@
+"""A user's own DataLoaders keep the one-process order under every strategy of ours (Lightning's defaults kept).
+
+Lightning's default (``use_distributed_sampler=True``) replaces a training loader's sampler with a shuffling
+``DistributedSampler`` built from the strategy's ``distributed_sampler_kwargs``. Our strategies take that over and
+instead deal the loader's own sampler out by data-parallel rank (:class:`~lightning_dist.data.samplers.
+DataParallelSampler`), so every layout reads what one process reads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_dist import _compat
+from lightning_dist.data.samplers import DataParallelSampler, seed_unseeded_shuffle
+
+
+class LoaderOrderMixin:
+    """For a Lightning strategy with ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``: data parallel).
+
+    Call :meth:`take_over_loaders` from the strategy's ``setup``; ``process_dataloader`` then does the dealing.
+    """
+
+    _shard_loaders = False
+
+    def take_over_loaders(self, trainer: Any) -> None:
+        """Shard loaders here instead of Lightning, where Lightning would have (``use_distributed_sampler=True``)."""
+        self._shard_loaders = _compat.take_over_distributed_sampler(trainer)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Deal the loader's own index stream out by data-parallel rank.
+
+        A loader with a ``DistributedSampler`` or an iterable dataset is the user's to shard, and so is every loader
+        of a Trainer built with ``use_distributed_sampler=False``.
+        """
+        if not self._shard_loaders or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader):
+            return dataloader
+        if seed_unseeded_shuffle(dataloader.sampler, int(os.environ.get("PL_GLOBAL_SEED", 0))):
+            rank_zero_warn(
+                "A DataLoader shuffles with torch's global RNG, which ranks of one layout consume differently; "
+                "lightning-dist seeded it with the run's seed so every rank reads the same order. Pass "
+                "generator=torch.Generator().manual_seed(...) to the DataLoader to choose the order."
+            )
+        kwargs = self.distributed_sampler_kwargs  # type: ignore[attr-defined]
+        num_replicas, rank = kwargs["num_replicas"], kwargs["rank"]
+        if num_replicas == 1:
+            return dataloader  # tp / pp peers read the same batches: the loader's own order, untouched
+        if dataloader.batch_size is None:
+            raise ValueError(
+                f"A DataLoader with a custom batch_sampler ({type(dataloader.batch_sampler).__name__}) cannot be "
+                f"sharded over dp={num_replicas} ranks by lightning-dist; give it batch_size= instead, or shard it "
+                "yourself (a DistributedSampler with the strategy's distributed_sampler_kwargs) and pass "
+                "Trainer(use_distributed_sampler=False)."
+            )
+        training = self.lightning_module.trainer.training  # type: ignore[attr-defined]
+        sampler, batch_size = dataloader.sampler, dataloader.batch_size
+        DataParallelSampler.check_tail(sampler, batch_size, num_replicas, dataloader.drop_last, training)
+        return _compat.update_dataloader(dataloader, DataParallelSampler(sampler, batch_size, num_replicas, rank))
