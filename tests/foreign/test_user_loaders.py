@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy, TensorParallelStrategy
-from lightning_dist.strategies import DataParallelStrategy
 from lightning_dist.launch import launch
+from lightning_dist.strategies import DataParallelStrategy
 
 GLOBAL_BATCH, STEPS = 8, 8
 PLAN = {"trunk.expand": "colwise", "trunk.contract": "rowwise"}
