@@ -53,10 +53,8 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     Also settles what depends on this machine (``cluster.accelerator=auto``, the progress bar). Returns the layout,
     which the ranks are given as it is.
     """
-    from lightning_dist.data import TokenDataModule
-    from lightning_dist.data.config import validate_data_config
+    from lightning_dist.builders import check_model_and_data
 
-    cfg.model.validate()
     par, cluster = cfg.parallelism, cfg.cluster
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
@@ -64,25 +62,13 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
-    per_rank_batch = TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size)
-    if cfg.data.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
-            f"data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}; "
-            f"set model.vocab_size>={cfg.data.vocab_size}."
-        )
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
-            f"lower data.seq_len or raise model.max_seq_len."
-        )
+    per_rank_batch = check_model_and_data(cfg, dims)
     every = cfg.trainer.comm_timing_every_n_steps
     if every is not None and every < 1:
         raise ValueError(
             f"trainer.comm_timing_every_n_steps={every} must be >= 1, or null (every step on CUDA, "
             "once per logging window on CPU)."
         )
-    validate_data_config(cfg.data)
-    TokenDataModule(cfg.data, seed=cfg.seed).setup()  # missing / empty files fail here, before any rank starts
     _check_layout(cfg, dims, per_rank_batch)
     if cfg.trainer.enable_progress_bar is None:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
@@ -90,23 +76,32 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     return dims
 
 
-def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int) -> None:
-    """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches."""
+def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:
+    """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches.
+
+    A user's own module is checked by the strategy when it is set up (its hooks name what is wrong).
+    """
+    from lightning_dist.builders import num_blocks
+    from lightning_dist.models.gpt import GPTConfig
     from lightning_dist.models.gpt_parallel import check_tensor_parallel
     from lightning_dist.parallel import pipeline
 
     par = cfg.parallelism
-    check_tensor_parallel(cfg.model, dims.tp, cfg.data.seq_len, par.sequence_parallel)
+    gpt = isinstance(cfg.model, GPTConfig)
+    if gpt:
+        seq_len = getattr(cfg.data, "seq_len", None)
+        check_tensor_parallel(cfg.model, dims.tp, seq_len, par.sequence_parallel)
     schedule = pipeline.resolve_schedule(par.schedule, par.stages_per_rank)
     if not dims.pp_enabled:
         return
     num_stages = dims.pp * par.stages_per_rank
-    if num_stages > cfg.model.n_layers:
+    blocks = num_blocks(cfg.model)
+    if blocks is not None and num_stages > blocks:
         raise ValueError(
             f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
-            f"has {cfg.model.n_layers} blocks; lower pp / stages_per_rank or raise model.n_layers."
+            f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
         )
-    if cfg.model.tie_embeddings:
+    if gpt and cfg.model.tie_embeddings:
         raise ValueError(
             f"parallelism.pp={dims.pp} with model.tie_embeddings=true: the embedding and the head live on different "
             "stages; set model.tie_embeddings=false."
@@ -194,8 +189,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_dist.data import build_datamodule
-    from lightning_dist.models.module import GPTModule
+    from lightning_dist.builders import build_datamodule, build_module
+    from lightning_dist.data import TokenDataModule
     from lightning_dist.telemetry import LossHistory, Telemetry
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -204,8 +199,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     out_dir = Path(cfg.output_dir)
     if dims is None:
         dims = check_config(cfg)
-    datamodule = build_datamodule(cfg.data, cfg.seed)
-    module = GPTModule(cfg.model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed)
+    datamodule = build_datamodule(cfg)
+    module = build_module(cfg)
     logger = build_logger(cfg.logger, out_dir, cfg)
     history = LossHistory()
     checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
@@ -237,7 +232,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         enable_model_summary=False,
         logger=logger,
         callbacks=all_callbacks,
-        use_distributed_sampler=False,  # the datamodule samples by data-parallel rank, not by global rank
+        # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
+        use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
         default_root_dir=out_dir,
     )
     ckpt_path = cfg.ckpt_path
@@ -251,7 +247,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         "steps": trainer.global_step,
         "train_loss": float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
         "val_loss": float(metrics["val/loss"]) if "val/loss" in metrics else None,
-        "loss_floor": datamodule.loss_floor,
+        "loss_floor": getattr(datamodule, "loss_floor", None),
         "history": history.records,
         "checkpoint": checkpoint.last_model_path or None,
         "wandb_dir": _finish_wandb(logger),

@@ -8,9 +8,11 @@ field is its help text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
@@ -130,11 +132,43 @@ class LoggerConfig:
 
 
 @dataclass
+class TargetConfig:
+    """Your own class, built by Hydra from ``_target_`` (its import path) and its keyword arguments.
+
+    ``model=custom model._target_=mypkg.MyModule +model.hidden=64`` (a LightningModule);
+    ``data=custom data._target_=mypkg.MyDataModule +data.batch_size=8`` (a LightningDataModule).
+    """
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        from hydra.utils import instantiate
+
+        return instantiate({"_target_": self.target, **self.kwargs})
+
+
+@dataclass
+class HFModelConfig:
+    """A HuggingFace causal LM built from a config (nothing is downloaded): ``model=hf model.config=...``."""
+
+    kind: str = "hf"
+    """Always hf."""
+    config: str = "tiny_llama"
+    """A built-in tiny config (tiny_llama, tiny_qwen2, tiny_mistral) or a local directory / config.json."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation."""
+
+
+@dataclass
 class TrainConfig:
     """A whole training run. Compose from ``conf/train.yaml``; override any field on the command line."""
 
-    model: GPTConfig = MISSING
-    data: DataConfig = MISSING
+    model: Any = MISSING
+    """The built-in GPT's fields (GPTConfig: model=gpt_tiny, ...), your LightningModule (TargetConfig: model=custom),
+    or a HuggingFace causal LM (HFModelConfig: model=hf)."""
+    data: Any = MISSING
+    """The built-in data's fields (DataConfig: data=synthetic, text, tokens) or your DataModule (data=custom)."""
     parallelism: ParallelismConfig = MISSING
     cluster: ClusterConfig = MISSING
     trainer: TrainerConfig = MISSING
@@ -148,11 +182,38 @@ class TrainConfig:
     """Where logs, checkpoints and W&B files go; None = Hydra's run directory."""
 
 
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The typed run config from Hydra's composed ``cfg``: ``model`` and ``data`` become the dataclass they describe.
+
+    Raises:
+        ValueError: A field of the built-in model or data has the wrong type (one line naming it).
+    """
+    train_cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(cfg, {"model": None, "data": None}))
+    train_cfg.model = _typed(cfg.model, "model", GPTConfig, HFModelConfig)
+    train_cfg.data = _typed(cfg.data, "data", DataConfig, None)
+    return train_cfg
+
+
+def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
+    if "_target_" in node:
+        kwargs = OmegaConf.to_container(node, resolve=True)
+        return TargetConfig(target=str(kwargs.pop("_target_")), kwargs=kwargs)
+    schema = hf if hf is not None and node.get("kind") == "hf" else builtin
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        raise ValueError(f"{group}.{key}: {str(err).splitlines()[0]}") from None
+
+
 def register_configs() -> None:
     """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
+    # The built-in model and data options extend these (their YAML starts with `defaults: [<group>_schema]`), so
+    # their fields are typed and complete; model=custom / data=custom are free-form (their class's arguments).
     store.store(group="model", name="model_schema", node=GPTConfig)
+    store.store(group="model", name="hf_schema", node=HFModelConfig)
     store.store(group="data", name="data_schema", node=DataConfig)
     store.store(group="parallelism", name="parallelism_schema", node=ParallelismConfig)
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lightning_dist.config import TrainConfig, register_configs
+from lightning_dist.config import TrainConfig, register_configs, to_train_config
 from lightning_dist.launch import RankFailedError, launch, launched_externally
 
 log = logging.getLogger("lightning_dist")
@@ -37,13 +37,13 @@ def main() -> None:
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
-    train_cfg: TrainConfig = OmegaConf.to_object(cfg)
-    if train_cfg.output_dir is None:
-        train_cfg.output_dir = HydraConfig.get().runtime.output_dir
+    output_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
     try:
+        train_cfg = to_train_config(cfg)
+        train_cfg.output_dir = output_dir
         return run(train_cfg)
     except (ValueError, FileNotFoundError, RankFailedError) as err:
-        _fail(err, Path(train_cfg.output_dir))
+        _fail(err, Path(output_dir))
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from lightning_dist.config import TrainConfig, register_configs
+from lightning_dist.config import TrainConfig, register_configs, to_train_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "lightning_dist" / "conf"
 
@@ -33,7 +32,7 @@ def compose_config(overrides: list[str], output_dir: Path | str | None = None) -
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    train_cfg: TrainConfig = OmegaConf.to_object(cfg)
+    train_cfg: TrainConfig = to_train_config(cfg)
     if output_dir is not None:
         train_cfg.output_dir = str(output_dir)
     return train_cfg

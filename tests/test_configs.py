@@ -21,16 +21,24 @@ RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
 PUBLISHED_PARAMS = {"gpt2_124m": 124.4e6, "llama_1b": 1.236e9, "llama_8b": 8.03e9, "llama_70b": 70.55e9}
 
 
+#: Options that build the user's own class (or a HuggingFace model) rather than the built-in GPT / data.
+NOT_BUILTIN = ("custom", "hf")
+GPT_MODELS = [model for model in GROUPS["model"] if model not in NOT_BUILTIN]
+BUILTIN_DATA = [data for data in GROUPS["data"] if data not in NOT_BUILTIN]
+
+
 def test_every_group_has_options() -> None:
-    assert GROUPS["model"] == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b"]
+    assert GPT_MODELS == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b"]
+    assert set(GROUPS["model"]) - set(GPT_MODELS) == {"custom", "hf"}
     assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
-    assert GROUPS["data"] == ["synthetic", "text", "tokens"]
+    assert BUILTIN_DATA == ["synthetic", "text", "tokens"]
+    assert set(GROUPS["data"]) - set(BUILTIN_DATA) == {"custom"}
     assert GROUPS["cluster"] == ["gpu", "local_cpu", "node_8gpu"]
 
 
 @pytest.mark.parametrize(
     ("model", "parallelism", "cluster"),
-    list(itertools.product(GROUPS["model"], GROUPS["parallelism"], GROUPS["cluster"])),
+    list(itertools.product(GPT_MODELS, GROUPS["parallelism"], GROUPS["cluster"])),
 )
 def test_group_combinations_compose_with_typed_fields(model: str, parallelism: str, cluster: str) -> None:
     cfg = compose_config([f"model={model}", f"parallelism={parallelism}", f"cluster={cluster}"])
@@ -46,12 +54,26 @@ def test_group_combinations_compose_with_typed_fields(model: str, parallelism: s
         assert dims.world_size == world and dims.tp * dims.pp * dims.dp_size == world
 
 
-@pytest.mark.parametrize("data", GROUPS["data"])
+@pytest.mark.parametrize("data", BUILTIN_DATA)
 @pytest.mark.parametrize("logger", GROUPS["logger"])
 def test_data_and_logger_groups_compose(data: str, logger: str) -> None:
     overrides = [f"data={data}", f"logger={logger}"] + ([] if data == "synthetic" else ["data.path=somewhere"])
     cfg = compose_config(overrides)
     assert cfg.data.kind == data and cfg.logger.kind == logger
+
+
+def test_custom_and_hf_models_compose_to_their_configs() -> None:
+    from lightning_dist.config import HFModelConfig, TargetConfig
+
+    cfg = compose_config(["model=custom", "model._target_=mypkg.MyModule", "+model.width=16", "data=custom",
+                          "data._target_=mypkg.MyData", "+data.batch_size=4"])  # fmt: skip
+    assert cfg.model == TargetConfig("mypkg.MyModule", {"width": 16})
+    assert cfg.data == TargetConfig("mypkg.MyData", {"batch_size": 4})
+    assert compose_config(["model=hf", "model.config=tiny_qwen2"]).model == HFModelConfig(config="tiny_qwen2")
+    with pytest.raises(Exception, match="_target_"):
+        compose_config(["model=custom"])  # the class to build is required
+    with pytest.raises(Exception, match=r"Error merging override model.n_layers=abc"):
+        compose_config(["model.n_layers=abc"])  # the built-in model's fields stay typed
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -35,6 +35,14 @@ _HF_STYLES = {
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
 }
+_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+#: ``model=hf model.config=<name>``: tiny configs of the families we test (built locally, nothing downloaded).
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny_llama": ("LlamaConfig", _TINY),
+    "tiny_qwen2": ("Qwen2Config", _TINY),
+    "tiny_mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
+}
 #: The parts of a Llama-style causal LM, by attribute path.
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 IGNORE_INDEX = -100
