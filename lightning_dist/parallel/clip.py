@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,18 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], pp_group: dist.Pr
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float | None, pp_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float | None,
+    pp_group: dist.ProcessGroup | None = None,
+    norm_exclude: Collection[int] = frozenset(),
 ) -> Tensor:
-    """Scale gradients so their global norm is at most ``max_norm`` (``None``: only measure). Returns the norm."""
+    """Scale gradients so their global norm is at most ``max_norm`` (``None``: only measure). Returns the norm.
+
+    ``norm_exclude``: ids of parameters left out of the norm (but clipped): the copies of a weight tied across
+    pipeline stages beyond the first, which would otherwise be counted once per stage.
+    """
     parameters = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(parameters, pp_group)
+    norm = global_grad_norm([p for p in parameters if id(p) not in norm_exclude], pp_group)
     if max_norm is not None and parameters:
         by_mesh: dict[object, list[torch.nn.Parameter]] = {}
         for p in parameters:

@@ -295,7 +295,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         # Clip by the norm over all axes (one number for the whole model) and log it as train/grad_norm.
         pp_group = self.parallel_dims.group("pp") if self.parallel_dims.pp_enabled else None
-        norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group)
+        skip = self._pipeline.norm_exclude if self._pipeline is not None else frozenset()
+        norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group, norm_exclude=skip)
         self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         return closure_loss
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dist._compat import module_children
 from lightning_dist.contract import module_hook
-from lightning_dist.parallel import pipeline
+from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
@@ -55,6 +55,8 @@ class PipelineStages:
         self._loss_src = 0 if schedule in pipeline.V_SCHEDULES else dims.pp - 1
         self._device = device
         self._grads: list[tuple[nn.Parameter, Tensor | None]] = []
+        self.ties: list[tied.StageTie] = []  # weights shared with other stages' ranks (see parallel/tied.py)
+        self.norm_exclude: set[int] = set()  # ids of tied copies the gradient norm must not count again
         self._stepped = False  # the schedule ran in this training step (and backward has not taken its gradients)
 
     @classmethod
@@ -89,7 +91,9 @@ class PipelineStages:
             expand_plan(module, tp_plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
             prefix = f"{spec.model_attr}."
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
-        _check_ties_within_stages(model, spec, keys, groups)
+        stage_of = tied.stage_of_name(spec, keys, groups)
+        stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
+        tied.create_groups(stage_ties, dims, global_rank)
         pp_rank = dims.coordinates(global_rank)["pp"]
         stage_ids = pipeline.stage_ids(pp_rank, dims.pp, stages_per_rank, schedule)
         stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
@@ -113,7 +117,9 @@ class PipelineStages:
                 reshard_after_forward=False,
             )
             stages.append(PipelineStage(view, sid, num_stages, device, group=pp_group))
+        tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
+        runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
         # The module's own training_step / validation_step call compute_loss: route it through the schedule.
         module.compute_loss = runner.compute_loss
         return runner
@@ -170,34 +176,7 @@ class PipelineStages:
         for param, grad in self._grads:
             param.grad = grad
         self._grads = []
-
-
-def _check_ties_within_stages(
-    model: nn.Module, spec: pipeline.PipelineSpec, keys: list[str], groups: list[list[int]]
-) -> None:
-    """Raise when a shared parameter's users would sit on different stages (each stage would train its own copy)."""
-    prefix = f"{spec.blocks_attr}." if spec.blocks_attr else ""
-    stage_of_block = {prefix + keys[i]: stage for stage, group in enumerate(groups) for i in group}
-    last = len(groups) - 1
-
-    def stage_of(name: str) -> int:
-        for block, stage in stage_of_block.items():
-            if name.startswith(block + "."):
-                return stage
-        if any(name == part or name.startswith(part + ".") for part in spec.first):
-            return 0
-        if any(name == part or name.startswith(part + ".") for part in spec.last):
-            return last
-        return -1  # outside the blocks and the first / last parts: kept on every stage
-
-    for group in shared_parameters(model):
-        stages = {stage_of(name) for name in group} - {-1}
-        if len(stages) > 1:
-            raise ValueError(
-                f"{' and '.join(group)} are one parameter (tied weights) but would sit on pipeline stages "
-                f"{sorted(stages)}, each training its own copy; untie them in the model (tie_embeddings=false; HF: "
-                "tie_word_embeddings=False), or use a layout without pp for this model."
-            )
+        tied.sum_grads(self.ties)  # a weight shared across stages gets the sum of its uses, as in one process
 
 
 def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
