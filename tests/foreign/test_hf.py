@@ -17,10 +17,13 @@ from lightning_dist.models.hf import HFCausalLM
 STEPS, BATCH, SEQ, VOCAB = 6, 4, 16, 64
 
 
-def _llama(tied: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+FAMILIES = ("Llama", "Qwen2", "Mistral")
 
-    config = LlamaConfig(
+
+def _model(family: str, tied: bool = False) -> torch.nn.Module:
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -32,12 +35,13 @@ def _llama(tied: bool = False) -> torch.nn.Module:
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
 def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
+    """``kind``: a family (untied), or "tied" (Llama with tied embeddings)."""
     tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    module = HFCausalLM(_llama(tied=kind == "tied"), lr=1e-2)
+    module = HFCausalLM(_model("Llama", tied=True) if kind == "tied" else _model(kind), lr=1e-2)
     losses: list[float] = []
 
     class Record(pl.Callback):
@@ -64,16 +68,17 @@ def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
 
 
 def _one_process() -> dict[str, Any]:
-    return {kind: _fit(kind, "auto", 1) for kind in ("untied", "tied")}
+    return {kind: _fit(kind, "auto", 1) for kind in (*FAMILIES, "tied")}
 
 
 def _two_ranks() -> dict[str, Any]:
-    return {
-        "tp": _fit("untied", TensorParallelStrategy(tp=2), 2),
-        "pp": _fit("untied", PipelineParallelStrategy(pp=2, microbatches=2), 2),
-        "tied_tp": _fit("tied", TensorParallelStrategy(tp=2), 2),
-        "tied_pp": _fit("tied", PipelineParallelStrategy(pp=2, microbatches=2), 2),
-    }
+    results = {}
+    for family in FAMILIES:
+        results[f"{family}_tp"] = _fit(family, TensorParallelStrategy(tp=2), 2)
+        results[f"{family}_pp"] = _fit(family, PipelineParallelStrategy(pp=2, microbatches=2), 2)
+    results["tied_tp"] = _fit("tied", TensorParallelStrategy(tp=2), 2)
+    results["tied_pp"] = _fit("tied", PipelineParallelStrategy(pp=2, microbatches=2), 2)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +91,13 @@ def two_ranks() -> list[dict[str, Any]]:
     return launch(_two_ranks, 2)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_llama_matches_one_process(layout: str, two_ranks, one_process) -> None:
+def test_family_matches_one_process(family: str, layout: str, two_ranks, one_process) -> None:
     for rank in two_ranks:
-        assert "losses" in rank[layout], rank[layout]
-        np.testing.assert_allclose(rank[layout]["losses"], one_process["untied"]["losses"], rtol=1e-5)
+        run = rank[f"{family}_{layout}"]
+        assert "losses" in run, run
+        np.testing.assert_allclose(run["losses"], one_process[family]["losses"], rtol=1e-5)
 
 
 def test_tied_embeddings_stay_tied_under_tp(two_ranks, one_process) -> None:
