@@ -10,7 +10,8 @@ strategy's backward only hands the schedule's gradients back. Validation runs th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -139,7 +140,7 @@ class PipelineStages:
             params = [p for p in self.module.parameters() if p.requires_grad]
             for param in params:
                 param.grad = None  # the schedule accumulates into .grad
-            with self.bubble.step():
+            with self.bubble.step(), self._stage_contract():
                 self.schedule.step(*(args if self._owns_first else ()), **kwargs)
             # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
             self._grads = [(p, p.grad) for p in params]
@@ -152,12 +153,30 @@ class PipelineStages:
                     f"schedule={self.schedule_name}: torch 2.13's eval() fails for V schedules; "
                     "disable validation (limit_val_batches=0, num_sanity_val_steps=0) or use Interleaved1F1B."
                 )
-            self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
+            with self._stage_contract():
+                self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
         if losses is not None:
             loss = torch.stack([_local(loss).detach().float() for loss in losses]).mean()
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self._device)
         return pipeline.broadcast_loss(loss, self._loss_src, self._pp_group)
+
+    @contextmanager
+    def _stage_contract(self) -> Iterator[None]:
+        """Name the stage contract when a model's forward trips over a part this stage does not hold (``None``)."""
+        try:
+            yield
+        except (TypeError, AttributeError) as err:
+            if "NoneType" not in str(err):
+                raise
+            model = type(self.spec.model(self.module)).__name__
+            raise ValueError(
+                f"{model}.forward failed on pipeline stage(s) {self.stage_ids}, which hold only part of the model "
+                f"({type(err).__name__}: {err}); a stage's forward must take the previous stage's output, skip the "
+                "parts pipeline_spec() lists as first / last when they are None, and return one tensor. Make forward "
+                "do that, give PipelineSpec(stage_forward=...), or for a HuggingFace causal LM use "
+                "lightning_dist.models.hf.HFCausalLM."
+            ) from err
 
     def restore_grads(self) -> None:
         """Put back the gradients the schedule computed in the last training step (called from backward).
@@ -189,6 +208,12 @@ def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
     spec: pipeline.PipelineSpec = spec_fn()
     if spec.loss_fn is None:
         raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
+    model = spec.model(module)
+    if spec.stage_forward is None and type(model).forward is nn.Module.forward:
+        raise ValueError(
+            f"pipeline_spec().model_attr={spec.model_attr!r} is a {type(model).__name__}, which has no forward for a "
+            "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
+        )
     return spec
 
 

@@ -266,3 +266,49 @@ def test_a_pipelined_model_built_in_configure_model_starts_from_the_one_process_
     for rank in two_ranks:
         assert isinstance(rank["configure_model_pp"], list), rank["configure_model_pp"]
         np.testing.assert_allclose(rank["configure_model_pp"], one_process["configure_model"], rtol=1e-5)
+
+
+class AlwaysEmbeds(nn.Module):
+    """Its forward always runs the embedding: on the second stage the embedding is None (a broken stage contract)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class ForwardIgnoresStages(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = AlwaysEmbeds()
+
+    def compute_loss(self, batch):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(model_attr="net", blocks_attr="blocks", first=("embed",), loss_fn=F.mse_loss)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("loss", loss)
+        return loss
+
+
+def _broken_stage_forward() -> None:
+    pl.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(pp=2, microbatches=2), max_steps=1,
+               logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(ForwardIgnoresStages(),
+                                                                                         _loader())  # fmt: skip
+
+
+def test_a_stage_forward_that_breaks_the_contract_is_named() -> None:
+    from lightning_dist.launch import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"forward failed on pipeline stage\(s\) \[\d\]"):
+        launch(_broken_stage_forward, 2)
