@@ -83,7 +83,7 @@ def _two_ranks() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict[str, Any]:
-    return launch(_one_process, 1)[0]
+    return _one_process()  # in this process: a one-process reference needs no spawned rank
 
 
 @pytest.fixture(scope="module")
