@@ -30,6 +30,7 @@ from lightning_dist.telemetry.tables import comm_table, format_summary, layout_t
 from lightning_dist.telemetry.throughput import (
     batch_size_and_tokens,
     find_flops_per_token,
+    parameter_count,
     peak_tflops,
     resident_memory_bytes,
     seq_len_of,
@@ -81,7 +82,9 @@ class Telemetry(pl.Callback):
     Args:
         log_every_n_steps: Logging period in optimizer steps; default the Trainer's ``log_every_n_steps``.
         flops_per_token: Training FLOPs (forward + backward) per token; default ``pl_module.flops_per_token`` or
-            ``pl_module.model.flops_per_token(seq_len)``. Without it TFLOP/s and MFU are omitted.
+            ``pl_module.model.flops_per_token(seq_len)``; a module that states none is estimated at 6 x its
+            parameters (forward + backward of the matmuls, attention not counted), logged as
+            ``perf/flops_estimated=1``.
         peak_tflops: Peak TFLOP/s per device for MFU; default from the table for known CUDA devices (omitted on CPU).
         track_comm: Intercept collectives (see :mod:`lightning_dist.telemetry.comm`): count every call and time a
             sample of the steps.
@@ -143,6 +146,7 @@ class Telemetry(pl.Callback):
         self._samples = 0
         self._seq_len: int | None = None
         self._comm_at_last_log: dict[tuple[str, str], OpStats] = {}
+        self._estimated_flops: float | None = None
 
     # ------------------------------------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -160,6 +164,9 @@ class Telemetry(pl.Callback):
             self._peak = peak_tflops(torch.cuda.get_device_name(self._device), str(trainer.precision))
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
+        if self.flops_per_token is None and find_flops_per_token(pl_module, 1) is None:
+            # Before the tracker is installed: counting the model's size is not the training's communication.
+            self._estimated_flops = 6.0 * parameter_count(pl_module, self._pp_group())
         if self.track_comm and dist.is_available() and dist.is_initialized() and self._world_size > 1:
             groups = axis_groups_from_mesh(self._dims.mesh) if self._dims is not None else None
             self._time_every = self.comm_timing_every_n_steps or (1 if self._device.type == "cuda" else self._every)
@@ -173,6 +180,9 @@ class Telemetry(pl.Callback):
             if isinstance(logger, WandbLogger) and trainer.is_global_zero:
                 for prefix in METRIC_PREFIXES:  # our keys against Lightning's step, whatever W&B's own step is
                     logger.experiment.define_metric(f"{prefix}/*", step_metric="trainer/global_step")
+
+    def _pp_group(self) -> Any:
+        return self._dims.group("pp") if self._dims is not None and self._dims.pp_enabled else None
 
     def _data_parallel_size(self, trainer: pl.Trainer) -> int:
         if self._dims is not None:
@@ -282,6 +292,9 @@ class Telemetry(pl.Callback):
         metrics["perf/tokens_per_sec_per_device"] = tokens_per_sec / self._world_size
         metrics["perf/samples_per_sec"] = self._samples * self._dp_size / seconds
         flops_per_token = self.flops_per_token or find_flops_per_token(pl_module, self._seq_len)
+        if flops_per_token is None and self._estimated_flops is not None:
+            flops_per_token = self._estimated_flops
+            metrics["perf/flops_estimated"] = 1.0
         if flops_per_token:
             tflops = flops_per_token * tokens_per_sec / self._world_size / 1e12
             metrics["perf/tflops_per_device"] = tflops

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 #: Dense (no sparsity) peak TFLOP/s per device from NVIDIA's datasheets: (bf16/fp16, tf32, fp32).
 #: Matched against ``torch.cuda.get_device_name()``, most specific first.
@@ -81,6 +82,21 @@ def find_flops_per_token(module: Any, seq_len: int | None) -> float | None:
             return float(value(seq_len)) if seq_len is not None else None
         return float(value)
     return None
+
+
+def parameter_count(module: torch.nn.Module, pp_group: Any = None) -> int:
+    """Parameters of the whole model: a DTensor counts its global size, a pipeline stage's are summed over ``pp_group``.
+
+    A weight shared by two stages (tied) is counted on both; the estimate it feeds is rough anyway.
+    """
+    count = sum(p.numel() for p in module.parameters())  # DTensor.numel() is the global size
+    if pp_group is not None:
+        total = torch.tensor([count], dtype=torch.float64)
+        if dist.get_backend(pp_group) == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total, group=pp_group)
+        count = int(total.item())
+    return count
 
 
 def resident_memory_bytes() -> int:

@@ -127,3 +127,19 @@ def test_validation_time_is_no_part_of_the_training_step() -> None:
     window = telemetry.history[1]
     assert window["perf/step_ms"] < VAL_SLEEP * 1e3 / 10
     assert window["perf/data_ms"] < VAL_SLEEP * 1e3 / 10
+
+
+class _NoFlops(_Regression):
+    flops_per_token = None  # states nothing: the telemetry estimates 6 x parameters and says so
+
+
+def test_flops_are_estimated_from_parameters_when_the_module_states_none() -> None:
+    telemetry = Telemetry(log_every_n_steps=2, peak_tflops=1.0, print_summary=False)
+    _fit_one_process(_NoFlops(), telemetry)
+    row = telemetry.history[-1]
+    assert row["perf/flops_estimated"] == 1.0
+    params = 8 + 1  # nn.Linear(8, 1)
+    assert row["perf/tflops_per_device"] == pytest.approx(6 * params * row["perf/tokens_per_sec"] / 1e12)
+    stated = Telemetry(log_every_n_steps=2, peak_tflops=1.0, print_summary=False)
+    _fit_one_process(_Regression(), stated)
+    assert "perf/flops_estimated" not in stated.history[-1]
