@@ -155,7 +155,7 @@ class HFModelConfig:
     kind: str = "hf"
     """Always hf."""
     config: str = "tiny_llama"
-    """A built-in tiny config (tiny_llama, tiny_qwen2, tiny_mistral) or a local directory / config.json."""
+    """A built-in tiny config (tiny_llama, tiny_qwen2, tiny_mistral, tiny_gpt2) or a local directory / config.json."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation."""
 

@@ -5,10 +5,11 @@ models laid out as ``model.embed_tokens / model.layers / model.norm / model.rota
 :class:`~lightning_dist.contract.ParallelModule` hooks:
 
 - tensor parallelism with the plan the model ships (``model.tp_plan``: ``colwise``, ``rowwise``,
-  ``embedding_rowwise``, ``colwise_gather_output``, ...) mapped to torch's ``ParallelStyle``s;
+  ``embedding_rowwise``, ``colwise_gather_output``, ...) mapped to torch's ``ParallelStyle``s; GPT-2 (no shipped
+  plan, ``Conv1D`` layers) gets its MLP sharded with Conv1D styles and its attention replicated;
 - pipeline parallelism through a stage forward that runs whatever part of the model a stage holds (embedding, its
-  decoder layers with the rotary tables and causal mask rebuilt locally, final norm, head), under the model's own
-  parameter names.
+  decoder layers with the rotary tables / positions and causal mask rebuilt locally, final norm, head), under the
+  model's own parameter names; a tied embedding and head on different stages train as one weight.
 
 Needs the optional extra ``lightning-dist[hf]`` (transformers). No distributed code here: the strategies apply it.
 """
@@ -37,19 +38,65 @@ _HF_STYLES = {
 }
 _TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+_TINY_GPT2 = {"vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
 #: ``model=hf model.config=<name>``: tiny configs of the families we test (built locally, nothing downloaded).
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny_llama": ("LlamaConfig", _TINY),
     "tiny_qwen2": ("Qwen2Config", _TINY),
     "tiny_mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
+    "tiny_gpt2": ("GPT2Config", _TINY_GPT2),
 }
-#: The parts of a Llama-style causal LM, by attribute path.
-_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+#: The parts of a Llama-style and of a GPT-2-style causal LM, by attribute path.
+_LLAMA_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+_GPT2_PARTS = ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head")
 IGNORE_INDEX = -100
 
 
+class _Conv1DStyle(ParallelStyle):
+    """Column- or row-wise sharding of transformers' ``Conv1D`` (a linear layer whose weight is stored (in, out)).
+
+    torch's styles take ``nn.Linear`` only. Colwise: weight ``Shard(1)``, bias ``Shard(0)``, replicated input, output
+    sharded on its last dim (local). Rowwise: weight ``Shard(0)``, bias replicated, input sharded on its last dim,
+    output all-reduced (local). The layer's own ``addmm`` runs on DTensors, which sum the partial products.
+    """
+
+    def __init__(self, rowwise: bool) -> None:
+        super().__init__()
+        self.rowwise = rowwise
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+
+        weight_placement, bias_placement = (Shard(0), Replicate()) if self.rowwise else (Shard(1), Shard(0))
+        input_placement, output_placement = (Shard(-1), Replicate()) if self.rowwise else (Replicate(), Shard(-1))
+
+        def partition(name: str, submodule: nn.Module, mesh: Any) -> None:
+            for pname, param in list(submodule.named_parameters(recurse=False)):
+                placement = weight_placement if pname == "weight" else bias_placement
+                submodule.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+        def inputs(_: nn.Module, args: tuple, mesh: Any) -> tuple:
+            return (DTensor.from_local(args[0], mesh, [input_placement], run_check=False), *args[1:])
+
+        def outputs(_: nn.Module, output: Any, mesh: Any) -> Any:
+            return output.redistribute(placements=[output_placement]).to_local()
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+#: GPT-2 (transformers ships no plan): the MLP's Conv1D pair sharded; attention replicated, since its fused q/k/v
+#: projection cannot be split by a column shard without reordering (and so checkpointing) the weight.
+_GPT2_PLAN = {"transformer.h.*.mlp.c_fc": False, "transformer.h.*.mlp.c_proj": True}
+
+
 def hf_tensor_parallel_plan(model: nn.Module, prefix: str = "") -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan a transformers model ships (``model.tp_plan``), as torch styles under ``prefix``."""
+    """The tensor-parallel plan a transformers model ships (``model.tp_plan``), as torch styles under ``prefix``.
+
+    GPT-2, which ships none, gets its MLP sharded (see ``_GPT2_PLAN``).
+    """
+    if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":
+        return {prefix + pattern: _Conv1DStyle(rowwise) for pattern, rowwise in _GPT2_PLAN.items()}
     shipped = dict(getattr(model, "tp_plan", None) or {})
     if not shipped:
         raise ValueError(
@@ -120,6 +167,26 @@ def causal_lm_stage_forward(self: nn.Module, hidden: Tensor) -> Tensor:
     return hidden
 
 
+def gpt2_stage_forward(self: nn.Module, hidden: Tensor) -> Tensor:
+    """Forward of one pipeline stage of a GPT-2 causal LM (learned positions, ``transformer.h`` blocks)."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = self.transformer
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    if inner.wte is not None:
+        hidden = inner.drop(inner.wte(hidden) + inner.wpe(position_ids))
+    mask = create_causal_mask(
+        config=inner.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
+    )
+    for block in inner.h:
+        hidden = block(hidden, None, mask, position_ids=position_ids)
+    if inner.ln_f is not None:
+        hidden = inner.ln_f(hidden)
+    if self.lm_head is not None:
+        hidden = self.lm_head(hidden)
+    return hidden
+
+
 class HFCausalLM(pl.LightningModule):
     """Train a transformers causal LM with any lightning-dist layout (or none).
 
@@ -131,7 +198,7 @@ class HFCausalLM(pl.LightningModule):
 
     Args:
         model: A ``transformers`` causal LM laid out as ``model.embed_tokens / model.layers / model.norm /
-            model.rotary_emb / lm_head`` (Llama, Qwen2, Mistral, ...).
+            model.rotary_emb / lm_head`` (Llama, Qwen2, Mistral, ...), or GPT-2.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
     """
@@ -163,24 +230,25 @@ class HFCausalLM(pl.LightningModule):
         return hf_tensor_parallel_plan(self.model, prefix="model.")
 
     def pipeline_spec(self) -> PipelineSpec:
-        """Decoder layers as blocks; embedding first; final norm and head last; the stage forward above."""
-        missing = [part for part in _PARTS if not _has_path(self.model, part)]
-        if missing:
-            raise ValueError(
-                f"{type(self.model).__name__} is not laid out like a Llama-style causal LM (no {', '.join(missing)}); "
-                "pipeline it with your own LightningModule and pipeline_spec() (see lightning_dist.PipelineSpec)."
-            )
+        """Decoder layers as blocks; embeddings first; final norm and head last; the stage forward above."""
         attn = getattr(self.model.config, "_attn_implementation", "sdpa")
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is untested under pipelines here; load with 'sdpa'.")
-        return PipelineSpec(
-            model_attr="model",
-            blocks_attr="model.layers",
-            first=("model.embed_tokens",),
-            last=("model.norm", "lm_head"),
-            loss_fn=causal_lm_loss,
-            split_batch=split_causal_batch,
-            stage_forward=causal_lm_stage_forward,
+        common = {"model_attr": "model", "loss_fn": causal_lm_loss, "split_batch": split_causal_batch}
+        if all(_has_path(self.model, part) for part in _LLAMA_PARTS):
+            first, last = ("model.embed_tokens",), ("model.norm", "lm_head")
+            return PipelineSpec(
+                blocks_attr="model.layers", first=first, last=last, stage_forward=causal_lm_stage_forward, **common
+            )
+        if all(_has_path(self.model, part) for part in _GPT2_PARTS):
+            first, last = ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
+            return PipelineSpec(
+                blocks_attr="transformer.h", first=first, last=last, stage_forward=gpt2_stage_forward, **common
+            )
+        raise ValueError(
+            f"{type(self.model).__name__} is laid out neither like a Llama-style causal LM ({', '.join(_LLAMA_PARTS)}) "
+            f"nor like GPT-2 ({', '.join(_GPT2_PARTS)}); pipeline it with your own LightningModule and "
+            "pipeline_spec() (see lightning_dist.PipelineSpec)."
         )
 
 

@@ -17,13 +17,18 @@ from lightning_dist.models.hf import HFCausalLM
 STEPS, BATCH, SEQ, VOCAB = 6, 4, 16, 64
 
 
-FAMILIES = ("Llama", "Qwen2", "Mistral")
+FAMILIES = ("Llama", "Qwen2", "Mistral", "GPT2")
+#: GPT-2 spells its classes and its config differently (and drops out by default: no dropout, for equal curves).
+GPT2 = {"n_embd": 32, "n_inner": 64, "n_layer": 2, "n_head": 4, "n_positions": SEQ, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
 
 
 def _model(family: str, tied: bool = False) -> torch.nn.Module:
     import transformers
 
+    extra = GPT2 if family == "GPT2" else {}
     config = getattr(transformers, f"{family}Config")(
+        **extra,
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -35,13 +40,14 @@ def _model(family: str, tied: bool = False) -> torch.nn.Module:
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForCausalLM")(config)
+    return getattr(transformers, "GPT2LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM")(config)
 
 
 def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
     """``kind``: a family (untied), or "tied" (Llama with tied embeddings)."""
     tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    module = HFCausalLM(_model("Llama", tied=True) if kind == "tied" else _model(kind), lr=1e-2)
+    # GPT-2 as it ships: its embedding and head tied.
+    module = HFCausalLM(_model("Llama", tied=True) if kind == "tied" else _model(kind, kind == "GPT2"), lr=1e-2)
     losses: list[float] = []
 
     class Record(pl.Callback):
@@ -63,7 +69,8 @@ def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
         trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=BATCH))
     except (ValueError, RuntimeError) as err:
         return {"error": f"{type(err).__name__}: {err}"}
-    head, embed = module.model.lm_head, module.model.model.embed_tokens  # a pipeline stage may hold neither
+    inner = module.model.transformer if hasattr(module.model, "transformer") else module.model.model
+    head, embed = module.model.lm_head, getattr(inner, "wte", None) or getattr(inner, "embed_tokens", None)
     return {"losses": losses, "tied": head is not None and embed is not None and head.weight is embed.weight}
 
 
