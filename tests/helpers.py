@@ -47,3 +47,33 @@ def run_app(overrides: list[str], output_dir: Path) -> dict[str, Any]:
 
 def losses(result: dict[str, Any], key: str = "train/loss") -> list[float]:
     return [record[key] for record in result["history"]]
+
+
+class GradNorms:
+    """A Lightning callback recording the global gradient norm of every optimizer step.
+
+    Our mesh strategies log it (``train/grad_norm``, over every axis); elsewhere (one process, DDP: whole gradients on
+    every rank) it is computed here, before the optimizer step.
+    """
+
+    def __new__(cls):  # a pl.Callback built lazily, so this module imports without Lightning
+        import lightning.pytorch as pl
+        import torch
+
+        from lightning_dist import MeshStrategy
+
+        class _GradNorms(pl.Callback):
+            def __init__(self) -> None:
+                self.values: list[float] = []
+                self._local: float | None = None
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+                if not isinstance(trainer.strategy, MeshStrategy):
+                    grads = [p.grad.detach().float().norm() for p in pl_module.parameters() if p.grad is not None]
+                    self._local = float(torch.linalg.vector_norm(torch.stack(grads)))
+
+            def on_train_batch_end(self, trainer, *args) -> None:
+                local, self._local = self._local, None
+                self.values.append(local if local is not None else float(trainer.callback_metrics["train/grad_norm"]))
+
+        return _GradNorms()

@@ -8,13 +8,14 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from helpers import GradNorms
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import PipelineParallelStrategy, TensorParallelStrategy
 from lightning_dist.launch import launch
 from lightning_dist.models.hf import HFCausalLM
 
-STEPS, BATCH, SEQ, VOCAB = 6, 4, 16, 64
+STEPS, BATCH, SEQ, VOCAB = 8, 4, 16, 64
 
 
 FAMILIES = ("Llama", "Qwen2", "Mistral", "GPT2")
@@ -54,12 +55,13 @@ def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
+    grad_norms = GradNorms()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=STEPS,
-        callbacks=[Record()],
+        callbacks=[Record(), grad_norms],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -71,7 +73,11 @@ def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {err}"}
     inner = module.model.transformer if hasattr(module.model, "transformer") else module.model.model
     head, embed = module.model.lm_head, getattr(inner, "wte", None) or getattr(inner, "embed_tokens", None)
-    return {"losses": losses, "tied": head is not None and embed is not None and head.weight is embed.weight}
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms.values,
+        "tied": head is not None and embed is not None and head.weight is embed.weight,
+    }
 
 
 def _one_process() -> dict[str, Any]:
@@ -104,7 +110,9 @@ def test_family_matches_one_process(family: str, layout: str, two_ranks, one_pro
     for rank in two_ranks:
         run = rank[f"{family}_{layout}"]
         assert "losses" in run, run
+        assert len(run["losses"]) == STEPS
         np.testing.assert_allclose(run["losses"], one_process[family]["losses"], rtol=1e-5)
+        np.testing.assert_allclose(run["grad_norms"], one_process[family]["grad_norms"], rtol=1e-4)
 
 
 def test_tied_embeddings_stay_tied_under_tp(two_ranks, one_process) -> None:
@@ -113,9 +121,12 @@ def test_tied_embeddings_stay_tied_under_tp(two_ranks, one_process) -> None:
         assert "losses" in rank["tied_tp"], rank["tied_tp"]
         assert rank["tied_tp"]["tied"]
         np.testing.assert_allclose(rank["tied_tp"]["losses"], one_process["tied"]["losses"], rtol=1e-5)
+        np.testing.assert_allclose(rank["tied_tp"]["grad_norms"], one_process["tied"]["grad_norms"], rtol=1e-4)
 
 
 def test_tied_embeddings_across_pipeline_stages_match_one_process(two_ranks, one_process) -> None:
     for rank in two_ranks:  # embedding on stage 0, head on stage 1: gradients summed over the two, norm counted once
         assert "losses" in rank["tied_pp"], rank["tied_pp"]
         np.testing.assert_allclose(rank["tied_pp"]["losses"], one_process["tied"]["losses"], rtol=1e-5)
+        # The tied weight counted once in the norm, as in one process (not once per stage holding a copy).
+        np.testing.assert_allclose(rank["tied_pp"]["grad_norms"], one_process["tied"]["grad_norms"], rtol=1e-4)

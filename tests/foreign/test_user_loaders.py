@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import GradNorms
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,18 +69,21 @@ def _fit(layout: str) -> dict[str, list[float]]:
     out = {}
     for shuffle in (False, True):
         module = Regressor()
+        grad_norms = GradNorms()
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=devices,
             strategy=strategies[layout](),
             max_steps=STEPS,
+            callbacks=[grad_norms],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
         trainer.fit(module, _loader(GLOBAL_BATCH // dp, shuffle))
-        out["shuffled" if shuffle else "sequential"] = module.losses
+        kind = "shuffled" if shuffle else "sequential"
+        out[kind], out[f"{kind}_grad_norms"] = module.losses, grad_norms.values
     return out
 
 
@@ -94,3 +98,5 @@ def test_own_loader_keeps_the_one_process_order(layout: str, one_process: dict[s
         for kind in ("sequential", "shuffled"):
             assert len(rank[kind]) == STEPS
             np.testing.assert_allclose(rank[kind], one_process[kind], rtol=1e-5, err_msg=f"{layout} {kind}")
+            norms = f"{kind}_grad_norms"
+            np.testing.assert_allclose(rank[norms], one_process[norms], rtol=1e-4, err_msg=f"{layout} {kind}")
