@@ -85,8 +85,18 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
     from lightning_dist.models.gpt import GPTConfig
     from lightning_dist.models.gpt_parallel import check_tensor_parallel
     from lightning_dist.parallel import pipeline
+    from lightning_dist.parallel.activation_checkpoint import check_mode
 
     par = cfg.parallelism
+    try:
+        check_mode(par.activation_checkpointing, par.ac_selective)
+    except ValueError as err:
+        raise ValueError(f"parallelism.{err}") from None
+    if par.strategy == "ddp" and par.activation_checkpointing != "none":
+        raise ValueError(
+            f"parallelism.activation_checkpointing={par.activation_checkpointing} with parallelism=ddp (Lightning's "
+            "DDP, which this does not reach): use parallelism=fsdp or another of our layouts."
+        )
     gpt = isinstance(cfg.model, GPTConfig)
     if gpt:
         seq_len = getattr(cfg.data, "seq_len", None)
@@ -279,6 +289,8 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
         microbatches=par.microbatches,
         stages_per_rank=par.stages_per_rank,
         split_points=par.split_points,
+        activation_checkpointing=par.activation_checkpointing,
+        ac_selective=par.ac_selective,
         process_group_backend=backend,
         timeout=timeout,
     )

@@ -46,6 +46,10 @@ class ParallelismConfig:
     """Pipeline: virtual stages per rank (2 or more for interleaved / looped schedules)."""
     split_points: list[str] | None = None
     """Pipeline: module names that start a new stage (e.g. [layers.2]); None = balanced automatic split."""
+    activation_checkpointing: str = "none"
+    """none, full (every block recomputed in backward) or selective (see ac_selective); whole models and stages."""
+    ac_selective: str = "op"
+    """selective: op (keep matmul / attention outputs, recompute the rest) or n (every n-th block fully)."""
 
 
 @dataclass

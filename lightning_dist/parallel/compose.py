@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.data import apply_fsdp
 from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from lightning_dist.parallel_dims import ParallelDims
@@ -19,6 +20,8 @@ def parallelize(
     tp_plan: TensorParallelPlan | None = None,
     fsdp_units: Sequence[nn.Module] = (),
     fsdp_roots: Sequence[nn.Module] | None = None,
+    activation_checkpointing: str = "none",
+    ac_selective: str = "op",
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> dict[str, str]:
@@ -31,9 +34,13 @@ def parallelize(
         module: The module to parallelize; plan patterns are relative to it.
         dims: The layout; its mesh must be built.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
-        fsdp_units: Blocks wrapped as their own FSDP units, in execution order.
+        fsdp_units: The model's blocks, in execution order: activation checkpointing applies to them, and FSDP2
+            wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
             ``module`` holding parameters outside the units (a LightningModule itself is never wrapped).
+        activation_checkpointing: ``none``, ``full`` or ``selective`` (see
+            :mod:`lightning_dist.parallel.activation_checkpoint`).
+        ac_selective: For ``selective``: ``"op"`` or every n-th block (``"2"``).
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
@@ -53,8 +60,9 @@ def parallelize(
             )
         applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
         retie(module, ties)
-    # 2. (Activation checkpointing goes here: after TP so it wraps the parallelized blocks, before FSDP so
-    #    FSDP's all-gathers are re-issued for the recomputation.)
+    # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
+    #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
+    apply_activation_checkpointing(fsdp_units, activation_checkpointing, ac_selective)
     # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_dist import _compat, checkpoint
 from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline
+from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.tensor import TensorParallelPlan
@@ -67,6 +68,10 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         microbatches: PP: microbatches per step, dividing the per-rank batch; ``None`` = ``pp x stages_per_rank``.
         stages_per_rank: PP: virtual stages per rank (2+ for the interleaved / looped / V schedules).
         split_points: PP: block names that start a new stage (``["layers.2"]``); ``None`` = balanced by parameters.
+        activation_checkpointing: ``none``, ``full`` (every block recomputed in backward) or ``selective``; applies
+            to the blocks ``pipeline_spec()`` names, in whole models and pipeline stages alike.
+        ac_selective: For ``selective``: ``"op"`` (keep matmul outputs, recompute the rest) or ``"<n>"`` (every n-th
+            block fully checkpointed).
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
     """
@@ -86,10 +91,14 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         microbatches: int | None = None,
         stages_per_rank: int = 1,
         split_points: Sequence[str] | None = None,
+        activation_checkpointing: str = "none",
+        ac_selective: str = "op",
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        check_ac_mode(activation_checkpointing, ac_selective)
+        self.activation_checkpointing, self.ac_selective = activation_checkpointing, ac_selective
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
         if parallel_dims is not None:
@@ -218,9 +227,18 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 split_points=self.split_points,
                 tp_plan=tp_plan,
                 param_dtype=param_dtype,
+                activation_checkpointing=(self.activation_checkpointing, self.ac_selective),
             )
             return
-        parallelize(module, dims, tp_plan=tp_plan, fsdp_units=_fsdp_units(module), param_dtype=param_dtype)
+        parallelize(
+            module,
+            dims,
+            tp_plan=tp_plan,
+            fsdp_units=_fsdp_units(module),
+            activation_checkpointing=self.activation_checkpointing,
+            ac_selective=self.ac_selective,
+            param_dtype=param_dtype,
+        )
 
     def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
         if self._plan is not None:

@@ -74,6 +74,7 @@ class PipelineStages:
         split_points: Sequence[str] | None,
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
+        activation_checkpointing: tuple[str, str] = ("none", "op"),
     ) -> PipelineStages:
         """Split ``module``'s model, keep and materialize this rank's stages, parallelize them, build the schedule.
 
@@ -113,6 +114,8 @@ class PipelineStages:
                 tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
                 fsdp_units=list(module_children(spec.blocks(view)).values()),
                 fsdp_roots=[view],
+                activation_checkpointing=activation_checkpointing[0],
+                ac_selective=activation_checkpointing[1],
                 param_dtype=param_dtype,
                 # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
                 reshard_after_forward=False,

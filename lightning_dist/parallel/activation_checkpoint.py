@@ -1,0 +1,88 @@
+"""Activation checkpointing: keep fewer activations for backward and recompute the rest, block by block.
+
+Modes (``activation_checkpointing``):
+
+- ``none``: keep everything.
+- ``full``: every block keeps only its inputs and recomputes its forward during backward.
+- ``selective``: ``selective="op"`` keeps the outputs of matmuls and attention (the expensive ops) in every block and
+  recomputes the cheap ones (norms, activations, element-wise), as torchtitan's op-level SAC does;
+  ``selective="<n>"`` checkpoints every n-th block fully and keeps the others whole.
+
+A block's ``forward`` is replaced on the instance by a checkpointed call of the original, so module and parameter
+names do not change (plans, checkpoints and pipeline splits keep working). Applied after tensor parallelism (the
+recomputation re-runs the sharded layers) and before FSDP2 (whose hooks stay outside the checkpointed region, so
+parameters are all-gathered again for the recomputation). No Lightning, no model code here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+#: Ops whose outputs selective (op-level) checkpointing keeps: the matmuls and attention kernels.
+_SAVED_OPS = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def check_mode(mode: str, selective: str) -> None:
+    """Raise a one-line error for an unknown mode or selective option."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} is unknown; use one of {', '.join(MODES)}.")
+    if mode == "selective" and selective != "op" and not (selective.isdigit() and int(selective) >= 1):
+        raise ValueError(
+            f"ac_selective={selective!r}: use 'op' (keep matmul outputs) or a block interval n >= 1 (every n-th "
+            "block fully checkpointed)."
+        )
+
+
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, selective: str = "op") -> None:
+    """Checkpoint ``blocks`` (in execution order) in place according to ``mode`` (see the module docstring)."""
+    check_mode(mode, selective)
+    if mode == "none":
+        return
+    if not blocks:
+        raise ValueError(
+            f"activation_checkpointing={mode} needs the model's blocks: define pipeline_spec() on the module (its "
+            "blocks_attr names them), or set activation_checkpointing=none."
+        )
+    for index, block in enumerate(blocks):
+        if mode == "full" or (selective != "op" and index % int(selective) == 0):
+            _checkpoint_forward(block, context_fn=None)
+        elif selective == "op":
+            _checkpoint_forward(block, context_fn=_keep_matmuls)
+
+
+def _keep_matmuls() -> Any:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(block: nn.Module, context_fn: Any) -> None:
+    original = block.forward
+    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+
+    @functools.wraps(original)
+    def forward(*args: Any, **inputs: Any) -> Any:
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs, **inputs)
+
+    block.forward = forward
