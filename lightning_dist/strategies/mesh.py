@@ -33,6 +33,7 @@ from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.loaders import LoaderOrderMixin
+from lightning_dist.strategies.materialize import materialize
 from lightning_dist.strategies.stages import PipelineStages
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -159,10 +160,10 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # A pipelined model whose module can initialize any part of it (reset_parameters) is built on the meta device:
-        # each rank materializes just its own stages. Without that hook it is built for real, drawing the same random
-        # numbers as one process, and each rank keeps its stages' values.
-        if self._pipelined and empty_init is None:
+        # A model whose module can initialize any part of it (reset_parameters) is built on the meta device: each rank
+        # materializes just its own stages / shards (see materialize.py). Without that hook it is built for real,
+        # drawing the same random numbers as one process, and each rank keeps its part's values.
+        if empty_init is None:
             empty_init = module_hook(self.lightning_module, "reset_parameters") is not None
         with super().tensor_init_context(empty_init=empty_init):
             yield
@@ -239,6 +240,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             ac_selective=self.ac_selective,
             param_dtype=param_dtype,
         )
+        materialize(module, module, self.root_device)  # sharded first, so each rank allocates only its shards
 
     def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
         if self._plan is not None:

@@ -26,6 +26,7 @@ from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.materialize import materialize
 
 
 class PipelineStages:
@@ -101,7 +102,7 @@ class PipelineStages:
         stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
-        _materialize(module, model, device)
+        materialize(module, model, device)
 
         pp_group = dims.group("pp")
         stages = []
@@ -218,26 +219,6 @@ def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
             "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
         )
     return spec
-
-
-def _materialize(module: pl.LightningModule, model: nn.Module, device: torch.device) -> None:
-    """Allocate the kept stages and initialize them as the whole model would have been.
-
-    Only the module's own ``reset_parameters`` can do that (e.g. seeded by parameter name): re-running each layer's
-    initializer on a part of the model would draw other random numbers than one process did.
-    """
-    if not any(p.is_meta for p in model.parameters()):
-        return  # built for real (in __init__ or configure_model): the kept blocks keep their values
-    reset = module_hook(module, "reset_parameters")
-    if reset is None:
-        raise ValueError(
-            f"{type(module).__name__}'s model is on the meta device and the module has no reset_parameters(), so a "
-            "pipeline stage cannot be initialized as one process would; build the model for real (in __init__ or "
-            "configure_model without empty_init), or define reset_parameters() giving every parameter its "
-            "one-process value (e.g. seeded by parameter name)."
-        )
-    model.to_empty(device=device)
-    reset()
 
 
 def _local(tensor: Tensor) -> Tensor:
