@@ -77,3 +77,22 @@ class GradNorms:
                 self.values.append(local if local is not None else float(trainer.callback_metrics["train/grad_norm"]))
 
         return _GradNorms()
+
+
+def quiet_trainer(strategy, devices: int, max_steps: int, callbacks=(), **kwargs):
+    """A CPU ``Trainer`` with Lightning's defaults except the outputs a test does not read (logger, checkpoints,
+    progress bar, model summary)."""
+    import lightning.pytorch as pl
+
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )

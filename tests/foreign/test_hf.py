@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from helpers import GradNorms
+from helpers import GradNorms, quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import PipelineParallelStrategy, TensorParallelStrategy
@@ -56,17 +56,7 @@ def _fit(kind: str, strategy: Any, devices: int) -> dict[str, Any]:
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
     grad_norms = GradNorms()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        callbacks=[Record(), grad_norms],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), grad_norms])
     try:
         trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=BATCH))
     except (ValueError, RuntimeError) as err:

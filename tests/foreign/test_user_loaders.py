@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GradNorms
+from helpers import GradNorms, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,17 +70,7 @@ def _fit(layout: str) -> dict[str, list[float]]:
     for shuffle in (False, True):
         module = Regressor()
         grad_norms = GradNorms()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=strategies[layout](),
-            max_steps=STEPS,
-            callbacks=[grad_norms],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(strategies[layout](), devices, STEPS, callbacks=[grad_norms])
         trainer.fit(module, _loader(GLOBAL_BATCH // dp, shuffle))
         kind = "shuffled" if shuffle else "sequential"
         out[kind], out[f"{kind}_grad_norms"] = module.losses, grad_norms.values

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GradNorms
+from helpers import GradNorms, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -178,17 +178,7 @@ def _token_loader(batch_size: int = BATCH) -> DataLoader:
 def _fit(module: _Base, strategy: Any, devices: int, loader: DataLoader) -> dict[str, list[float]] | str:
     """The losses and gradient norms of every step, or the error that stopped training."""
     grad_norms = GradNorms()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        callbacks=[grad_norms],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[grad_norms])
     torch.manual_seed(1)  # what a model built in configure_model draws from
     try:
         trainer.fit(module, loader)
@@ -311,9 +301,7 @@ class ForwardIgnoresStages(_Base):
 
 
 def _broken_stage_forward() -> None:
-    pl.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(pp=2, microbatches=2), max_steps=1,
-               logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(ForwardIgnoresStages(),
-                                                                                         _loader())  # fmt: skip
+    quiet_trainer(PipelineParallelStrategy(pp=2, microbatches=2), 2, max_steps=1).fit(ForwardIgnoresStages(), _loader())
 
 
 def test_a_stage_forward_that_breaks_the_contract_is_named() -> None:

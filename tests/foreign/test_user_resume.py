@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from helpers import quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,16 +67,8 @@ def _loader() -> PositionLoader:
 
 def _fit(out: str, max_steps: int, ckpt_path: str | None = None) -> list[float]:
     module = Regressor()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MeshStrategy(dp_shard=2),
-        max_steps=max_steps,
-        logger=False,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0)],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    checkpoints = [ModelCheckpoint(dirpath=out, save_last=True, save_top_k=0)]
+    trainer = quiet_trainer(MeshStrategy(dp_shard=2), 2, max_steps, callbacks=checkpoints, enable_checkpointing=True)
     trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     return module.losses
 
