@@ -25,10 +25,10 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> dict[str, str]:
-    """Apply tensor parallelism, then FSDP2 / replication, to ``module`` in place (a pipeline stage or a model).
+    """Apply TP, then activation checkpointing, then FSDP2 / replication to ``module`` in place (a stage or a model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
-    (activation checkpointing, compile) applies to both.
+    (compile next) applies to both. Weights tied before stay tied after, or it raises.
 
     Args:
         module: The module to parallelize; plan patterns are relative to it.
