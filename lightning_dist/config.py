@@ -106,6 +106,9 @@ class TrainerConfig:
     """Validation batches run before training as a sanity check."""
     log_every_n_steps: int = 10
     """Log metrics (and telemetry) every this many steps."""
+    accumulate_grad_batches: int = 1
+    """Lightning's gradient accumulation. Built-in data: sets data.micro_batch_size to the per-rank batch / this (the
+    global batch stays data.global_batch_size); data=custom: your loader's batch x this x dp is the global batch."""
     gradient_clip_val: float | None = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     enable_checkpointing: bool = True

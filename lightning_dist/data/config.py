@@ -17,6 +17,10 @@ class DataConfig:
     """Data source: "synthetic" (seeded Markov chain), "text" (byte-level files) or "tokens" (nanoGPT .bin)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all data-parallel ranks; the per-rank batch is derived."""
+    micro_batch_size: int | None = None
+    """Samples per forward per data-parallel rank; None = the whole per-rank batch. Smaller: the per-rank batch is
+    accumulated over per_rank / micro forwards (gradients synced once per step); under pp it is the size of the
+    pipeline's microbatches."""
     seq_len: int = 128
     """Tokens per sample fed to the model; each sample holds seq_len+1 tokens, inputs = [:-1], targets = [1:]."""
     vocab_size: int = 256
@@ -52,6 +56,9 @@ def validate_data_config(cfg: Any) -> None:
         raise ValueError(f"data.kind={cfg.kind!r} is unknown; use one of {', '.join(KINDS)}")
     if cfg.global_batch_size < 1:
         raise ValueError(f"data.global_batch_size={cfg.global_batch_size} must be >= 1; pass a positive batch size")
+    micro = getattr(cfg, "micro_batch_size", None)
+    if micro is not None and micro < 1:
+        raise ValueError(f"data.micro_batch_size={micro} must be >= 1, or null for the whole per-rank batch")
     if cfg.seq_len < 1:
         raise ValueError(f"data.seq_len={cfg.seq_len} must be >= 1; pass a positive sequence length")
     if cfg.num_workers < 0:

@@ -133,11 +133,13 @@ class TokenDataModule(pl.LightningDataModule):
             rank: This process's data-parallel rank.
 
         Returns:
-            A DataLoader yielding per-rank batches of ``global_batch_size // num_replicas`` samples.
+            A DataLoader yielding per-rank batches of ``global_batch_size // num_replicas`` samples, or micro batches
+            of them under gradient accumulation (:meth:`loader_batch_size`).
         """
         if not 0 <= rank < num_replicas:
             raise ValueError(f"data-parallel rank {rank} is outside [0, {num_replicas}); check the strategy's sizes")
-        batch_size = self.per_rank_batch_size(self.cfg.global_batch_size, num_replicas)
+        per_rank = self.per_rank_batch_size(self.cfg.global_batch_size, num_replicas)
+        batch_size = self.loader_batch_size(per_rank)
         dataset = self.dataset(split)
         train = split == "train"
         if train and len(dataset) < self.cfg.global_batch_size:
@@ -156,7 +158,7 @@ class TokenDataModule(pl.LightningDataModule):
         )
         if train:
             steps_per_epoch = len(dataset) // self.cfg.global_batch_size
-            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, batch_size)
+            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, per_rank)
         return DataLoader(
             dataset,
             batch_size=batch_size,
@@ -165,6 +167,30 @@ class TokenDataModule(pl.LightningDataModule):
             num_workers=self.cfg.num_workers,
             persistent_workers=self.cfg.num_workers > 0,
         )
+
+    def loader_batch_size(self, per_rank: int) -> int:
+        """Samples per loader batch: the per-rank batch, split over the Trainer's gradient-accumulation steps.
+
+        Raises:
+            ValueError: ``data.micro_batch_size`` and the Trainer's ``accumulate_grad_batches`` disagree, which
+                would silently train on a different global batch.
+        """
+        accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
+        micro = self.cfg.micro_batch_size
+        if per_rank % accumulate:
+            raise ValueError(
+                f"accumulate_grad_batches={accumulate} does not divide the per-rank batch {per_rank}; use a divisor "
+                "of it (or set data.micro_batch_size)."
+            )
+        batch_size = per_rank // accumulate
+        # Under pipeline parallelism the loader serves whole per-rank batches; the schedule cuts the micro batches.
+        pipelined = getattr(getattr(self.trainer, "strategy", None), "pipeline", None) is not None
+        if micro is not None and micro != batch_size and not (pipelined and accumulate == 1):
+            raise ValueError(
+                f"data.micro_batch_size={micro} but the Trainer accumulates {accumulate} batch(es) of the per-rank "
+                f"batch {per_rank}; set accumulate_grad_batches={per_rank // micro} (the app does this for you)."
+            )
+        return batch_size
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: how far into the data stream training got."""
@@ -192,10 +218,14 @@ class StepSampler(Sampler[int]):
     the next full epoch, so a resumed run sees exactly the batches an uninterrupted run would.
     """
 
-    def __init__(self, sampler: DistributedSampler, start_step: int, steps_per_epoch: int, batch_size: int) -> None:
+    def __init__(
+        self, sampler: DistributedSampler, start_step: int, steps_per_epoch: int, samples_per_step: int
+    ) -> None:
         self.sampler = sampler
         self.epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
-        self.skip = step_in_epoch * batch_size
+        self.skip = step_in_epoch * samples_per_step
+        # Whole optimizer steps only: with micro batches the tail could otherwise hold a partial step's batches.
+        self.limit = steps_per_epoch * samples_per_step
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored on purpose: the epoch follows from the step count (see the class docstring)."""
@@ -205,11 +235,13 @@ class StepSampler(Sampler[int]):
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         for position, index in enumerate(self.sampler):
+            if position >= self.limit:
+                return
             if position >= skip:
                 yield index
 
     def __len__(self) -> int:
-        return len(self.sampler) - self.skip
+        return self.limit - self.skip
 
 
 def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:

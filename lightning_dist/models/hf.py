@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_dist.models.module import StepLoss
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 #: transformers' tensor-parallel style names -> torch styles (outputs as plain tensors, full where HF gathers).
@@ -208,6 +209,7 @@ class HFCausalLM(pl.LightningModule):
         self.model = model
         self.lr = lr
         self.weight_decay = weight_decay
+        self.step_loss = StepLoss()
 
     def compute_loss(self, batch: Any) -> Tensor:
         inputs, targets = split_causal_batch(batch)
@@ -215,7 +217,9 @@ class HFCausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        step_loss = self.step_loss.update(loss, self.trainer)
+        if step_loss is not None:  # the optimizer step's loss, every micro batch in
+            self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -40,6 +40,7 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
         self.model: GPT | None = None
         self.val_loss = MeanMetric()
+        self.step_loss = StepLoss()
 
     # ------------------------------------------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -69,9 +70,11 @@ class GPTModule(pl.LightningModule):
     # -------------------------------------------------------------------------------------------- lightning
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
-        # sync_dist: the logged value is the global-batch loss whatever the layout.
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        step_loss = self.step_loss.update(loss, self.trainer)
+        if step_loss is not None:
+            # sync_dist: the logged value is the global-batch loss whatever the layout.
+            self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
@@ -126,6 +129,25 @@ class GPTModule(pl.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, cfg.decay_steps or self.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class StepLoss:
+    """The training loss of an optimizer step: under gradient accumulation the mean over its micro batches (what one
+    forward of the whole batch gives), known once the last of them ran."""
+
+    def __init__(self) -> None:
+        self._step, self._losses = -1, []
+
+    def update(self, loss: Tensor, trainer: pl.Trainer) -> Tensor | None:
+        """Add a micro batch's loss; returns the step's loss after its last micro batch, else ``None``."""
+        if trainer.global_step != self._step:
+            self._step, self._losses = trainer.global_step, []
+        if hasattr(loss, "full_tensor"):  # a replicated DTensor under loss parallelism
+            loss = loss.full_tensor()
+        self._losses.append(loss.detach())
+        if len(self._losses) < trainer.accumulate_grad_batches:
+            return None
+        return torch.stack(self._losses).mean()
 
 
 def warmup_cosine(cfg: OptimConfig, max_steps: int):

@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
@@ -173,20 +174,24 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         name = type(self).__name__
-        if trainer.accumulate_grad_batches != 1:
+        if trainer.accumulate_grad_batches != 1 and self.parallel_dims.pp_enabled:
+            accumulate = trainer.accumulate_grad_batches
             raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by {name}:"
-                " the global batch is data.global_batch_size; set accumulate_grad_batches=1."
+                f"accumulate_grad_batches={accumulate} with pp={self.parallel_dims.pp}: a pipeline accumulates over "
+                f"its microbatches; give the loader {accumulate}x larger batches and microbatches={accumulate} x "
+                "what you had instead."
             )
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: {name} clips by the "
                 "global norm only; use gradient_clip_algorithm='norm'."
             )
-        if self.parallel_dims.pp_enabled and getattr(self.precision_plugin, "scaler", None) is not None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            # A pipeline schedule runs backward itself, and the norm over all axes is clipped before the scaler
+            # unscales: fp16 loss scaling would silently clip (and log) scaled gradients.
             raise ValueError(
-                f"precision={self.precision_plugin.precision!r} uses a gradient scaler, which pipeline schedules do "
-                "not apply; use precision='bf16-mixed' or '32-true'."
+                f"precision={self.precision_plugin.precision!r} uses a gradient scaler, which {name} does not apply; "
+                "use precision='bf16-mixed' or '32-true'."
             )
         self.take_over_loaders(trainer)
         # Lightning's clipping sees one shard / one stage; we clip by the norm over all axes (see backward).
@@ -313,12 +318,36 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         else:
             with self._loss_context():
                 closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Clip by the norm over all axes (one number for the whole model) and log it as train/grad_norm.
+        return closure_loss
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduction on the accumulating micro-steps: FSDP2 keeps unsharded gradients until the last."""
+        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in fsdp_modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_clip() -> Any:
+            loss = closure()  # forward + backward of the step's last (or only) micro batch
+            self._clip_gradients()
+            return loss
+
+        return super().optimizer_step(optimizer, closure_then_clip, model, **kwargs)
+
+    def _clip_gradients(self) -> None:
+        """Clip the step's whole gradient (every micro batch in) by its norm over all axes; log ``train/grad_norm``."""
         pp_group = self.parallel_dims.group("pp") if self.parallel_dims.pp_enabled else None
         skip = self._pipeline.norm_exclude if self._pipeline is not None else frozenset()
         norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group, norm_exclude=skip)
         self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        return closure_loss
 
     def pop_bubble_fraction(self) -> float | None:
         """This rank's pipeline idle fraction since the last call (``None`` without a pipeline or a step)."""

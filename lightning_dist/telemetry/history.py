@@ -16,8 +16,15 @@ class LossHistory(pl.Callback):
 
     def __init__(self) -> None:
         self.records: list[dict[str, float]] = []
+        self._last_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: a micro batch, no optimizer step yet
+        self._last_step = trainer.global_step
         metrics = trainer.callback_metrics  # computed on access from this step's logged (reduced) values
         record = {"step": float(trainer.global_step)}
         for key in ("train/loss", "train/grad_norm"):
