@@ -140,6 +140,11 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
         check_mode(par.activation_checkpointing, par.ac_selective)
     except ValueError as err:
         raise ValueError(f"parallelism.{err}") from None
+    if par.strategy == "ddp" and par.compile:
+        raise ValueError(
+            "parallelism.compile=true with parallelism=ddp (Lightning's DDP, which this does not reach): use "
+            "parallelism=fsdp or another of our layouts."
+        )
     if par.strategy == "ddp" and par.activation_checkpointing != "none":
         raise ValueError(
             f"parallelism.activation_checkpointing={par.activation_checkpointing} with parallelism=ddp (Lightning's "
@@ -340,6 +345,7 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
         split_points=par.split_points,
         activation_checkpointing=par.activation_checkpointing,
         ac_selective=par.ac_selective,
+        compile=par.compile,
         process_group_backend=backend,
         timeout=timeout,
     )

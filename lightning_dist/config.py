@@ -50,6 +50,8 @@ class ParallelismConfig:
     """none, full (every block recomputed in backward) or selective (see ac_selective); whole models and stages."""
     ac_selective: str = "op"
     """selective: op (keep matmul / attention outputs, recompute the rest) or n (every n-th block fully)."""
+    compile: bool = False
+    """torch.compile each block (after TP and activation checkpointing, before FSDP2); needs a C++ compiler on CPU."""
 
 
 @dataclass

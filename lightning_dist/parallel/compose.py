@@ -22,13 +22,14 @@ def parallelize(
     fsdp_roots: Sequence[nn.Module] | None = None,
     activation_checkpointing: str = "none",
     ac_selective: str = "op",
+    compile: bool = False,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> dict[str, str]:
-    """Apply TP, then activation checkpointing, then FSDP2 / replication to ``module`` in place (a stage or a model).
+    """Apply TP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
-    (compile next) applies to both. Weights tied before stay tied after, or it raises.
+    applies to both. Weights tied before stay tied after, or it raises.
 
     Args:
         module: The module to parallelize; plan patterns are relative to it.
@@ -41,6 +42,7 @@ def parallelize(
         activation_checkpointing: ``none``, ``full`` or ``selective`` (see
             :mod:`lightning_dist.parallel.activation_checkpoint`).
         ac_selective: For ``selective``: ``"op"`` or every n-th block (``"2"``).
+        compile: ``torch.compile`` each of ``fsdp_units`` (the blocks) in place.
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
@@ -63,7 +65,11 @@ def parallelize(
     # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
     #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
     apply_activation_checkpointing(fsdp_units, activation_checkpointing, ac_selective)
-    # 3. (torch.compile goes here: per block, after TP/AC and before FSDP so FSDP hooks stay outside graphs.)
+    # 3. torch.compile per block: after TP / AC so the graphs hold the sharded layers and the recomputation, before
+    #    FSDP2 so its all-gather / reduce-scatter hooks stay outside them. In place (Module.compile), so module and
+    #    parameter names, hence plans and checkpoints, do not change; one block's graph serves every block.
+    if compile:
+        compile_blocks(fsdp_units)
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
@@ -81,6 +87,17 @@ def parallelize(
         )
     check_ties_kept(module, ties)
     return applied
+
+
+def compile_blocks(blocks: Sequence[nn.Module]) -> None:
+    """``torch.compile`` each block in place (the default inductor backend: C++ / OpenMP on CPU, Triton on GPU)."""
+    if not blocks:
+        raise ValueError(
+            "compile=true compiles the model's blocks one by one: define pipeline_spec() on the module (its "
+            "blocks_attr names them), or set compile=false."
+        )
+    for block in blocks:
+        block.compile()
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

@@ -74,6 +74,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             to the blocks ``pipeline_spec()`` names, in whole models and pipeline stages alike.
         ac_selective: For ``selective``: ``"op"`` (keep matmul outputs, recompute the rest) or ``"<n>"`` (every n-th
             block fully checkpointed).
+        compile: ``torch.compile`` each block (the ones ``pipeline_spec()`` names) after TP and checkpointing, before
+            FSDP2.
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
     """
@@ -95,12 +97,14 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         split_points: Sequence[str] | None = None,
         activation_checkpointing: str = "none",
         ac_selective: str = "op",
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         check_ac_mode(activation_checkpointing, ac_selective)
         self.activation_checkpointing, self.ac_selective = activation_checkpointing, ac_selective
+        self.compile = compile
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
         if parallel_dims is not None:
@@ -234,6 +238,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 tp_plan=tp_plan,
                 param_dtype=param_dtype,
                 activation_checkpointing=(self.activation_checkpointing, self.ac_selective),
+                compile=self.compile,
             )
             return
         parallelize(
@@ -243,6 +248,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             fsdp_units=_fsdp_units(module),
             activation_checkpointing=self.activation_checkpointing,
             ac_selective=self.ac_selective,
+            compile=self.compile,
             param_dtype=param_dtype,
         )
         materialize(module, module, self.root_device)  # sharded first, so each rank allocates only its shards

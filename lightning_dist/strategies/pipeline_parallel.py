@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.strategies.mesh import DEFAULT_TIMEOUT, MeshStrategy
@@ -37,6 +38,8 @@ class PipelineParallelStrategy(MeshStrategy):
         plan: See :class:`~lightning_dist.TensorParallelStrategy`.
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout.
+        options: Other :class:`~lightning_dist.strategies.mesh.MeshStrategy` options: ``activation_checkpointing``,
+            ``ac_selective``, ``compile``.
     """
 
     strategy_name = "pipeline_parallel"
@@ -56,6 +59,7 @@ class PipelineParallelStrategy(MeshStrategy):
         plan: TensorParallelPlan | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        **options: Any,
     ) -> None:
         super().__init__(
             dp_replicate=dp_replicate,
@@ -71,4 +75,5 @@ class PipelineParallelStrategy(MeshStrategy):
             split_points=split_points,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **options,
         )

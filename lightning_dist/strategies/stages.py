@@ -76,6 +76,7 @@ class PipelineStages:
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
         activation_checkpointing: tuple[str, str] = ("none", "op"),
+        compile: bool = False,
     ) -> PipelineStages:
         """Split ``module``'s model, keep and materialize this rank's stages, parallelize them, build the schedule.
 
@@ -117,6 +118,7 @@ class PipelineStages:
                 fsdp_roots=[view],
                 activation_checkpointing=activation_checkpointing[0],
                 ac_selective=activation_checkpointing[1],
+                compile=compile,
                 param_dtype=param_dtype,
                 # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
                 reshard_after_forward=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.strategies.mesh import DEFAULT_TIMEOUT, MeshStrategy
@@ -27,6 +28,8 @@ class TensorParallelStrategy(MeshStrategy):
         plan: Module-name pattern -> ``ParallelStyle`` or ``"colwise"`` / ``"rowwise"`` / ``"sequence"``.
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
+        options: Other :class:`~lightning_dist.strategies.mesh.MeshStrategy` options: ``activation_checkpointing``,
+            ``ac_selective``, ``compile``.
     """
 
     strategy_name = "tensor_parallel"
@@ -41,6 +44,7 @@ class TensorParallelStrategy(MeshStrategy):
         plan: TensorParallelPlan | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        **options: Any,
     ) -> None:
         super().__init__(
             dp_replicate=dp_replicate,
@@ -52,4 +56,5 @@ class TensorParallelStrategy(MeshStrategy):
             plan=plan,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **options,
         )
