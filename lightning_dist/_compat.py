@@ -136,6 +136,16 @@ def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
     module._device_mesh = mesh
 
 
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend: collectives return at once
+    without moving data, so one process can trace what any rank of a big job would build. Its store lives in
+    torch's testing package (``torch.testing._internal.distributed.fake_pg``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
 # --------------------------------------------------------------------------------------------- nn.Module surgery
 def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.

@@ -63,7 +63,7 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
-    _resolve_micro_batch(cfg, dims, per_rank_batch)
+    resolve_micro_batch(cfg, dims, per_rank_batch)
     every = cfg.trainer.comm_timing_every_n_steps
     if every is not None and every < 1:
         raise ValueError(
@@ -77,7 +77,7 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     return dims
 
 
-def _resolve_micro_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:
+def resolve_micro_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:
     """Settle how each rank's batch is split: ``trainer.accumulate_grad_batches`` and, under pp, the microbatches.
 
     Without pp, the per-rank batch runs as ``per_rank / micro_batch_size`` forwards whose gradients Lightning
@@ -134,12 +134,15 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
     from lightning_dist.models.gpt_parallel import check_tensor_parallel
     from lightning_dist.parallel import pipeline
     from lightning_dist.parallel.activation_checkpoint import check_mode
+    from lightning_dist.parallel.compose import compile_with_tp_error
 
     par = cfg.parallelism
     try:
         check_mode(par.activation_checkpointing, par.ac_selective)
     except ValueError as err:
         raise ValueError(f"parallelism.{err}") from None
+    if par.compile and dims.tp_enabled:
+        raise ValueError(compile_with_tp_error(dims.tp, "parallelism."))
     if par.strategy == "ddp" and par.compile:
         raise ValueError(
             "parallelism.compile=true with parallelism=ddp (Lightning's DDP, which this does not reach): use "

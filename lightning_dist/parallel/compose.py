@@ -69,6 +69,8 @@ def parallelize(
     #    FSDP2 so its all-gather / reduce-scatter hooks stay outside them. In place (Module.compile), so module and
     #    parameter names, hence plans and checkpoints, do not change; one block's graph serves every block.
     if compile:
+        if dims.tp_enabled:
+            raise ValueError(compile_with_tp_error(dims.tp))
         compile_blocks(fsdp_units)
     # 4. FSDP2 / replication last, over the data-parallel axes.
     if dims.dp_enabled:
@@ -87,6 +89,15 @@ def parallelize(
         )
     check_ties_kept(module, ties)
     return applied
+
+
+def compile_with_tp_error(tp: int, prefix: str = "") -> str:
+    """Why compile and tensor parallelism are refused together (on torch 2.13; seen on CPU, every TP plan we have)."""
+    return (
+        f"{prefix}compile=true with {prefix}tp={tp}: torch's compiled backward of tensor-parallel blocks fails (a "
+        "DTensor gradient arrives as a plain Tensor in redistribute's backward: AttributeError '_local_tensor'; "
+        f"cf. pytorch/pytorch#173123); use compile with tp=1 (fsdp, pp) or {prefix}compile=false."
+    )
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:

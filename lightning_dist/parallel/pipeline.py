@@ -265,6 +265,13 @@ def stage_view(model: nn.Module, spec: PipelineSpec, keys: Sequence[str], first:
     return view
 
 
+def share_buffers(view: nn.Module, model: nn.Module) -> None:
+    """Point ``view``'s own buffers at ``model``'s: materializing gave the model new tensors after the view copied
+    its dicts (its submodules are shared, so only its own buffers, e.g. RoPE tables, need this)."""
+    for name, _ in view.named_buffers(recurse=False):
+        setattr(view, name, getattr(model, name))
+
+
 def build_schedule(
     name: str,
     stages: list[PipelineStage],

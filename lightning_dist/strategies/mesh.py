@@ -34,7 +34,7 @@ from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.loaders import LoaderOrderMixin
-from lightning_dist.strategies.materialize import materialize
+from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.stages import PipelineStages
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -216,7 +216,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: pl.LightningModule) -> None:
+    def _parallelize(self, module: pl.LightningModule, materialize: bool = True) -> None:
+        """Lay ``module`` out over the mesh; ``materialize=False`` leaves it on the meta device (a traced rank)."""
         dims = self.parallel_dims
         if any(isinstance(p, DTensor) for p in module.parameters()):
             return  # parallelized by hand in configure_model
@@ -239,6 +240,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 param_dtype=param_dtype,
                 activation_checkpointing=(self.activation_checkpointing, self.ac_selective),
                 compile=self.compile,
+                materialize=materialize,
             )
             return
         parallelize(
@@ -251,7 +253,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             compile=self.compile,
             param_dtype=param_dtype,
         )
-        materialize(module, module, self.root_device)  # sharded first, so each rank allocates only its shards
+        if materialize:
+            materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only
 
     def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
         if self._plan is not None:

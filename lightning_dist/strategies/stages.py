@@ -26,7 +26,7 @@ from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
-from lightning_dist.strategies.materialize import materialize
+from lightning_dist.strategies.materialize import materialize as materialize_model
 
 
 class PipelineStages:
@@ -77,8 +77,12 @@ class PipelineStages:
         param_dtype: torch.dtype | None,
         activation_checkpointing: tuple[str, str] = ("none", "op"),
         compile: bool = False,
+        materialize: bool = True,
     ) -> PipelineStages:
-        """Split ``module``'s model, keep and materialize this rank's stages, parallelize them, build the schedule.
+        """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
+
+        The model stays on the meta device until its stages are sharded, so a rank allocates only its shards of its
+        stages (``materialize=False`` leaves it there: a traced rank).
 
         Stages talk over the ``pp`` axis's group only: with data parallelism beside the pipeline, the world group
         would send activations to a data-parallel peer.
@@ -103,10 +107,8 @@ class PipelineStages:
         stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
-        materialize(module, model, device)
 
-        pp_group = dims.group("pp")
-        stages = []
+        views = []
         for sid, blocks in zip(stage_ids, stage_blocks):
             view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
             parallelize(
@@ -123,7 +125,13 @@ class PipelineStages:
                 # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
                 reshard_after_forward=False,
             )
-            stages.append(PipelineStage(view, sid, num_stages, device, group=pp_group))
+            views.append(view)
+        if materialize:
+            materialize_model(module, model, device)
+            for view in views:
+                pipeline.share_buffers(view, model)
+        pp_group = dims.group("pp")
+        stages = [PipelineStage(view, sid, num_stages, device, group=pp_group) for view, sid in zip(views, stage_ids)]
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)

@@ -56,5 +56,7 @@ def test_compile_is_refused_where_it_cannot_reach() -> None:
 
     with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism=ddp"):
         check_config(compose_config([*FAST, "parallelism.compile=true"]))
+    with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism.tp=2: torch's compiled backward"):
+        check_config(compose_config([*FAST, "parallelism=tp", "parallelism.compile=true"]))
     with pytest.raises(ValueError, match=r"compile=true compiles the model's blocks one by one: define pipeline_spec"):
         compile_blocks([])

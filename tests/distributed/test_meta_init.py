@@ -47,8 +47,14 @@ def _fit(cfg) -> dict:
 
 @pytest.mark.parametrize(
     ("layout", "shards"),
-    [(["parallelism=fsdp", "cluster.devices=2"], 2), (["parallelism=tp", "cluster.devices=2"], 2)],
-    ids=["fsdp2", "tp2"],
+    [
+        (["parallelism=fsdp", "cluster.devices=2"], 2),
+        (["parallelism=tp", "cluster.devices=2"], 2),
+        (["parallelism=pp", "cluster.devices=2", "parallelism.split_points=[layers.4]"], 2),
+        # Each stage is sharded before it is materialized: a rank holds a quarter, never its whole stage.
+        (["parallelism=pp", "cluster.devices=4", "parallelism.split_points=[layers.4]"], 4),
+    ],
+    ids=["fsdp2", "tp2", "pp2", "pp2xfsdp2"],
 )
 def test_a_sharded_rank_never_holds_the_whole_model(layout: list[str], shards: int, tmp_path: Path) -> None:
     one = launch(_fit, 1, compose_config([*FAST, *BIG, "parallelism=fsdp", "cluster.devices=1"], tmp_path / "one"))[0]

@@ -1,0 +1,157 @@
+"""Per-rank memory of a GPT training layout: what a rank holds at its peak, in bytes, and the assumptions behind it.
+
+Model states (parameters, gradients, AdamW moments) are counted from the rank's own shards: either traced through the
+real parallelize path on the fake process-group backend (:mod:`lightning_dist.plan.trace`) or counted here from
+the shapes. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activation per element):
+
+- per block and token, with tensor parallelism ``t`` and sequence parallelism, the tensors autograd keeps are
+  ``(9h + 1.5kv + 4f) / t + 2h`` elements for the llama block (``h`` = d_model, ``kv`` = key + value width,
+  ``f`` = MLP hidden; RMSNorm keeps an fp32 copy of its input, RoPE new q / k, SwiGLU three f-wide tensors; the two
+  matmul inputs all-gathered from sequence shards are whole: torch saves them, Megatron re-gathers them);
+- ``selective`` (op) keeps only matmul / attention outputs and the block input: ``(3h + kv + 2f) / t + 2h``
+  (the two row-parallel matmul outputs are partial sums over the whole sequence, before the reduce-scatter);
+- ``full`` keeps the block input ``h / t``, plus one block's whole set while it is recomputed;
+- the loss head: per token ``V / t`` logits, 16 bytes each at the peak of the loss's backward (the bf16 logits, the
+  fp32 log-softmax kept for backward, its fp32 gradient, the fp32 copy's gradient and the bf16 cast of it); at a
+  128K vocabulary this is the largest single term;
+- a pipeline stage holds its blocks' activations for the microbatches in flight: 1 (no pipeline), ``min(m, pp)`` on
+  the first stage of 1F1B-like schedules, all ``m`` for GPipe / LoopedBFS.
+
+FSDP2 buffers: two all-gathered bf16 units (the current one and the prefetched next) and one unit's fp32 unsharded
+gradient before its reduce-scatter. A margin (default 10%) covers the allocator's fragmentation; the CUDA context
+(about 1 GiB) is taken off the device's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_dist.models.gpt import GPTConfig
+
+GIB = 2**30
+ACT_BYTES = 2  # bf16 activations (bf16-mixed)
+LOGIT_BYTES = 16  # per logit at the loss backward peak (see the module docstring)
+STATE_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights, fp32 grads, AdamW m and v
+ALL_IN_FLIGHT = ("GPipe", "LoopedBFS")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's peak memory by part, in bytes; ``total`` adds the allocator margin."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    buffers: int
+    margin: float = 0.10
+
+    @property
+    def total(self) -> int:
+        parts = self.params + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+        return int(parts * (1 + self.margin))
+
+    def gib(self) -> dict[str, float]:
+        """Every part and the total in GiB, rounded to 0.01."""
+        names = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
+        return {name: round(getattr(self, name) / GIB, 2) for name in names}
+
+    def fits(self, device_gib: float, context_gib: float = 1.0) -> bool:
+        """Whether the total fits a device of ``device_gib`` after the CUDA context."""
+        return self.total <= (device_gib - context_gib) * GIB
+
+
+def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str = "op") -> float:
+    """Activation elements one block keeps per token of its input (see the module docstring), averaged over blocks
+    for ``selective="<n>"`` (every n-th block full, the others none)."""
+    h, f = cfg.d_model, cfg.hidden_dim
+    kv = 2 * cfg.kv_heads * cfg.head_dim
+    gathered = 2 * h if tp > 1 else 0  # all-gathered matmul inputs, whole on every tp rank
+    if cfg.arch == "gpt2":  # LayerNorm keeps its input and statistics; GELU MLP keeps two f-wide tensors, no RoPE
+        none = (8 * h + kv + 2 * f) / tp + gathered
+        op = (3 * h + kv + f) / tp + gathered
+    else:
+        none = (9 * h + 1.5 * kv + 4 * f) / tp + gathered
+        op = (3 * h + kv + 2 * f) / tp + gathered
+    if tp == 1:  # the norm outputs are the matmul inputs: counted once
+        none -= 2 * h
+    full = h / tp
+    if mode == "none":
+        return none
+    if mode == "full":
+        return full
+    if selective == "op":
+        return op
+    every = int(selective)
+    return (full + (every - 1) * none) / every
+
+
+def estimate_memory(
+    cfg: GPTConfig,
+    *,
+    local_params: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    dp_shard: int = 1,
+    pp: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1F1B",
+    activation_checkpointing: str = "none",
+    ac_selective: str = "op",
+    margin: float = 0.10,
+) -> MemoryEstimate:
+    """Peak memory of the worst rank of a GPT layout (the first pipeline stage, holding the most microbatches).
+
+    Args:
+        cfg: The model.
+        local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`).
+        seq_len: Tokens per sample.
+        micro_batch: Samples per forward: ``data.micro_batch_size`` (under pp, one pipeline microbatch).
+        tp, dp_shard, pp: The layout's degrees.
+        microbatches: Pipeline microbatches per step (pp only).
+        schedule: Pipeline schedule name.
+        activation_checkpointing: ``none``, ``full`` or ``selective``.
+        ac_selective: For ``selective``: ``op`` or ``<n>``.
+        margin: Allocator fragmentation margin on the total.
+    """
+    tokens = micro_batch * seq_len
+    blocks = -(-cfg.n_layers // pp)
+    in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
+    per_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective)
+    activations = in_flight * tokens * (blocks * per_block + cfg.d_model / tp) * ACT_BYTES
+    if activation_checkpointing != "none":  # one block recomputed whole during backward
+        activations += tokens * block_activation_elements(cfg, tp, "none") * ACT_BYTES
+    logits = int(tokens * cfg.vocab_size / tp * LOGIT_BYTES)
+    buffers = 0
+    if dp_shard > 1:
+        unit = max(_block_params(cfg), 2 * cfg.vocab_size * cfg.d_model) / tp  # a block, or the embedding + head
+        buffers = int(unit * (2 * 2 + 4))
+    return MemoryEstimate(
+        params=local_params * STATE_BYTES_PER_PARAM["params"],
+        grads=local_params * STATE_BYTES_PER_PARAM["grads"],
+        optimizer=local_params * STATE_BYTES_PER_PARAM["optimizer"],
+        activations=int(activations),
+        logits=logits,
+        buffers=buffers,
+        margin=margin,
+    )
+
+
+def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1) -> int:
+    """Parameters one rank of a whole-model layout holds: every tensor sharded over ``tp x dp_shard`` (FSDP2 pads
+    dim 0 to a multiple of ``dp_shard``; the GPT's shapes divide evenly), except the norm weights, which tensor
+    parallelism replicates. Pipeline stages: trace them instead."""
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.d_model
+    sharded = cfg.n_layers * _block_params(cfg) - 2 * cfg.n_layers * cfg.d_model + embeddings
+    return sharded // (tp * dp_shard) + norms // dp_shard
+
+
+def _block_params(cfg: GPTConfig) -> int:
+    h, f = cfg.d_model, cfg.hidden_dim
+    kv = 2 * cfg.kv_heads * cfg.head_dim
+    mlp = (3 if cfg.arch == "llama" else 2) * h * f
+    return h * (h + kv) + h * h + mlp + 2 * h
