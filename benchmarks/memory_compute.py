@@ -93,6 +93,9 @@ def main() -> None:
     for layout in args.layouts.split(","):
         for ac in AC:
             for compiled in (False, True):
+                if compiled and layout.startswith("tp"):
+                    print(f"{layout:6} {ac:5} compile=on  refused with tp > 1 on torch 2.13 (see compose.py)")
+                    continue
                 overrides = [*MODEL, *LAYOUTS[layout], *AC[ac], f"trainer.max_steps={args.warmup + args.steps}"]
                 overrides.append(f"parallelism.compile={str(compiled).lower()}")
                 cfg = compose_config(overrides, tempfile.mkdtemp())

@@ -136,6 +136,12 @@ def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
     module._device_mesh = mesh
 
 
+def fsdp_offload_policy(module: Any) -> Any:
+    """The offload policy FSDP2 applied to ``module`` (an ``FSDPModule``); read from its private parameter group."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group.offload_policy if group is not None else None
+
+
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend: collectives return at once
     without moving data, so one process can trace what any rank of a big job would build. Its store lives in

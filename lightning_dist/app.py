@@ -143,15 +143,22 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
         raise ValueError(f"parallelism.{err}") from None
     if par.compile and dims.tp_enabled:
         raise ValueError(compile_with_tp_error(dims.tp, "parallelism."))
-    if par.strategy == "ddp" and par.compile:
+    per_block = {
+        "activation_checkpointing": par.activation_checkpointing != "none",
+        "compile": par.compile,
+        "cpu_offload": par.cpu_offload,
+    }
+    for name in [name for name, used in per_block.items() if used and par.strategy == "ddp"]:
+        value = getattr(par, name)
+        shown = str(value).lower() if isinstance(value, bool) else value
         raise ValueError(
-            "parallelism.compile=true with parallelism=ddp (Lightning's DDP, which this does not reach): use "
+            f"parallelism.{name}={shown} with parallelism=ddp (Lightning's DDP, which this does not reach): use "
             "parallelism=fsdp or another of our layouts."
         )
-    if par.strategy == "ddp" and par.activation_checkpointing != "none":
+    if par.cpu_offload and not dims.dp_enabled:
         raise ValueError(
-            f"parallelism.activation_checkpointing={par.activation_checkpointing} with parallelism=ddp (Lightning's "
-            "DDP, which this does not reach): use parallelism=fsdp or another of our layouts."
+            f"parallelism.cpu_offload=true needs FSDP2 shards to offload but the layout is {dims.describe()}; set "
+            "parallelism.dp_shard > 1 (e.g. parallelism=fsdp) or parallelism.cpu_offload=false."
         )
     gpt = isinstance(cfg.model, GPTConfig)
     if gpt:
@@ -349,6 +356,7 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
         activation_checkpointing=par.activation_checkpointing,
         ac_selective=par.ac_selective,
         compile=par.compile,
+        cpu_offload=par.cpu_offload,
         process_group_backend=backend,
         timeout=timeout,
     )

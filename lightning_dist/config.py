@@ -52,6 +52,8 @@ class ParallelismConfig:
     """selective: op (keep matmul / attention outputs, recompute the rest) or n (every n-th block fully)."""
     compile: bool = False
     """torch.compile each block (after TP and activation checkpointing, before FSDP2); needs a C++ compiler on CPU."""
+    cpu_offload: bool = False
+    """FSDP2 keeps parameter shards, gradients and optimizer state in host memory; needs dp_shard or dp_replicate>1."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ def parallelize(
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> dict[str, str]:
     """Apply TP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
 
@@ -45,6 +46,7 @@ def parallelize(
         compile: ``torch.compile`` each of ``fsdp_units`` (the blocks) in place.
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
+        cpu_offload: FSDP2 keeps the shards (parameters, gradients, optimizer state) in host memory.
 
     Returns:
         Module name -> tensor-parallel style applied.
@@ -73,6 +75,11 @@ def parallelize(
             raise ValueError(compile_with_tp_error(dims.tp))
         compile_blocks(fsdp_units)
     # 4. FSDP2 / replication last, over the data-parallel axes.
+    if cpu_offload and not dims.dp_enabled:
+        raise ValueError(
+            f"cpu_offload=true needs data parallelism (FSDP2 offloads its shards) but {dims.describe()}; use "
+            "dp_shard > 1 or cpu_offload=false."
+        )
     if dims.dp_enabled:
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
         # together (a unit holding one is left to the root that holds the rest).
@@ -86,6 +93,7 @@ def parallelize(
             mesh[dims.fsdp_mesh_axes],
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
         )
     check_ties_kept(module, ties)
     return applied

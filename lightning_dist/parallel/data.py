@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def apply_fsdp(
@@ -21,6 +21,7 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> None:
     """Wrap each of ``units`` (transformer blocks), then each of ``roots`` (what owns the rest), with FSDP2.
 
@@ -37,9 +38,13 @@ def apply_fsdp(
             reduced in float32.
         reshard_after_forward: Free gathered parameters after forward. Pipeline parallelism passes ``False`` so
             microbatches do not all-gather the same parameters again.
+        cpu_offload: Keep the sharded parameters, their gradients and so the optimizer state in host memory; FSDP2
+            copies a unit to the device for its all-gather (pinned memory where CUDA is available).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    options = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
     for unit in units:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(root, reshard_after_forward=reshard_after_forward, **options)

@@ -76,6 +76,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             block fully checkpointed).
         compile: ``torch.compile`` each block (the ones ``pipeline_spec()`` names) after TP and checkpointing, before
             FSDP2.
+        cpu_offload: FSDP2 keeps parameter shards, gradients and optimizer state in host memory (the optimizer
+            steps on the CPU); needs ``dp_shard`` or ``dp_replicate`` > 1.
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
     """
@@ -98,13 +100,14 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         activation_checkpointing: str = "none",
         ac_selective: str = "op",
         compile: bool = False,
+        cpu_offload: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         check_ac_mode(activation_checkpointing, ac_selective)
         self.activation_checkpointing, self.ac_selective = activation_checkpointing, ac_selective
-        self.compile = compile
+        self.compile, self.cpu_offload = compile, cpu_offload
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
         if parallel_dims is not None:
@@ -213,7 +216,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:  # offloaded state stays with its shards
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: pl.LightningModule, materialize: bool = True) -> None:
@@ -240,6 +243,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 param_dtype=param_dtype,
                 activation_checkpointing=(self.activation_checkpointing, self.ac_selective),
                 compile=self.compile,
+                cpu_offload=self.cpu_offload,
                 materialize=materialize,
             )
             return
@@ -251,6 +255,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             activation_checkpointing=self.activation_checkpointing,
             ac_selective=self.ac_selective,
             compile=self.compile,
+            cpu_offload=self.cpu_offload,
             param_dtype=param_dtype,
         )
         if materialize:

@@ -77,6 +77,7 @@ class PipelineStages:
         param_dtype: torch.dtype | None,
         activation_checkpointing: tuple[str, str] = ("none", "op"),
         compile: bool = False,
+        cpu_offload: bool = False,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -121,6 +122,7 @@ class PipelineStages:
                 activation_checkpointing=activation_checkpointing[0],
                 ac_selective=activation_checkpointing[1],
                 compile=compile,
+                cpu_offload=cpu_offload,
                 param_dtype=param_dtype,
                 # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
                 reshard_after_forward=False,
