@@ -55,7 +55,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_dist.launch import free_port
-from lightning_dist.parallel.pipeline import BubbleTimer, build_schedule, stage_ids, theoretical_bubble
+from lightning_dist.parallel.bubble import BubbleTimer, theoretical_bubble
+from lightning_dist.parallel.pipeline import build_schedule, stage_ids
 
 P = 2
 CASES = [

@@ -53,7 +53,7 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     Also settles what depends on this machine (``cluster.accelerator=auto``, the progress bar). Returns the layout,
     which the ranks are given as it is.
     """
-    from lightning_dist.builders import check_model_and_data
+    from lightning_dist.builders import check_model_and_data, resolve_micro_batch
 
     par, cluster = cfg.parallelism, cfg.cluster
     if par.strategy not in _CANNOT_DO:
@@ -75,53 +75,6 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         cfg.trainer.enable_progress_bar = sys.stdout.isatty()
     return dims
-
-
-def resolve_micro_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:
-    """Settle how each rank's batch is split: ``trainer.accumulate_grad_batches`` and, under pp, the microbatches.
-
-    Without pp, the per-rank batch runs as ``per_rank / micro_batch_size`` forwards whose gradients Lightning
-    accumulates (synced on the last one). Under pp the micro batches are the pipeline's microbatches, all run by the
-    schedule in one training step (as Megatron does): accumulation is what a pipeline does already.
-    """
-    par, accumulate = cfg.parallelism, cfg.trainer.accumulate_grad_batches
-    if accumulate < 1:
-        raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be >= 1.")
-    if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch
-        if dims.pp_enabled and accumulate > 1:
-            raise ValueError(
-                f"trainer.accumulate_grad_batches={accumulate} with parallelism.pp={dims.pp}: a pipeline accumulates "
-                f"over its microbatches; make your loader's batch {accumulate}x larger and set "
-                f"parallelism.microbatches to the number of micro batches it holds."
-            )
-        return
-    data, micro = cfg.data, cfg.data.micro_batch_size
-    where = f"the per-rank batch {per_rank_batch} (data.global_batch_size={data.global_batch_size} / dp={dims.dp_size})"
-    if micro is None:
-        if per_rank_batch % accumulate:
-            raise ValueError(
-                f"trainer.accumulate_grad_batches={accumulate} does not divide {where}; use a divisor of it."
-            )
-        if accumulate == 1:
-            return  # one forward per rank and step
-        micro = data.micro_batch_size = per_rank_batch // accumulate
-    if per_rank_batch % micro:
-        raise ValueError(f"data.micro_batch_size={micro} does not divide {where}; use a divisor of it.")
-    steps = per_rank_batch // micro
-    if accumulate not in (1, steps):
-        raise ValueError(
-            f"trainer.accumulate_grad_batches={accumulate} contradicts data.micro_batch_size={micro} ({where} is "
-            f"{steps} micro batches); set only data.micro_batch_size."
-        )
-    if not dims.pp_enabled:
-        cfg.trainer.accumulate_grad_batches = steps
-        return
-    if par.microbatches is not None and par.microbatches != steps:
-        raise ValueError(
-            f"parallelism.microbatches={par.microbatches} contradicts data.micro_batch_size={micro} ({where} is "
-            f"{steps} micro batches); set only one of them."
-        )
-    par.microbatches, cfg.trainer.accumulate_grad_batches = steps, 1
 
 
 def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:

@@ -39,8 +39,8 @@ def trace_rank(cfg: TrainConfig, rank: int) -> RankTrace:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lightning_dist import _compat
-    from lightning_dist.app import build_parallel_dims, build_strategy, resolve_micro_batch
-    from lightning_dist.builders import build_module
+    from lightning_dist.app import build_parallel_dims, build_strategy
+    from lightning_dist.builders import build_module, resolve_micro_batch
 
     dims = build_parallel_dims(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size

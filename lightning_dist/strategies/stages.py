@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from lightning_dist._compat import module_children
 from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline, tied
+from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
@@ -48,7 +49,7 @@ class PipelineStages:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.schedule = pipeline.build_schedule(schedule, stages, microbatches, spec.loss_fn)
-        self.bubble = pipeline.BubbleTimer(stages, device)
+        self.bubble = BubbleTimer(stages, device)
         self._stages_per_rank = len(stages)
         self._owns_first = any(stage.is_first for stage in stages)
         self._owns_last = any(stage.is_last for stage in stages)
