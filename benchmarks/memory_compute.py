@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--d-model", type=int, default=512, help="width (the compile speedup of issue 11: 256)")
+    parser.add_argument("--ac", default=",".join(AC), help="activation checkpointing modes to run")
     args = parser.parse_args()
 
     import tempfile
@@ -97,13 +99,14 @@ def main() -> None:
     from lightning_dist.launch import launch
 
     rows, base = [], None
+    model = [f"model.d_model={args.d_model}" if item.startswith("model.d_model=") else item for item in MODEL]
     for layout in args.layouts.split(","):
-        for ac in AC:
+        for ac in args.ac.split(","):
             for compiled in (False, True):
                 if compiled and layout.startswith("tp"):
                     print(f"{layout:6} {ac:5} compile=on  refused with tp > 1 on torch 2.13 (see compose.py)")
                     continue
-                overrides = [*MODEL, *LAYOUTS[layout], *AC[ac], f"trainer.max_steps={args.warmup + args.steps}"]
+                overrides = [*model, *LAYOUTS[layout], *AC[ac], f"trainer.max_steps={args.warmup + args.steps}"]
                 overrides.append(f"parallelism.compile={str(compiled).lower()}")
                 cfg = compose_config(overrides, tempfile.mkdtemp())
                 ranks = launch(_fit, cfg.cluster.devices, cfg, args.warmup, False, threads_per_rank=1)
