@@ -127,11 +127,6 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
             f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
             f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
         )
-    if gpt and cfg.model.tie_embeddings:
-        raise ValueError(
-            f"parallelism.pp={dims.pp} with model.tie_embeddings=true: the embedding and the head live on different "
-            "stages; set model.tie_embeddings=false."
-        )
     microbatches = par.microbatches if par.microbatches is not None else num_stages
     try:
         pipeline.check_microbatches(schedule, microbatches, dims.pp, par.stages_per_rank, batch_size=per_rank_batch)

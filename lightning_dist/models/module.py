@@ -115,11 +115,14 @@ class GPTModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config
         # Weight decay on matrices only: norms, biases and embeddings are left alone (GPT-2 / Llama practice).
+        # A tied head is the embedding matrix: a pipeline stage that holds only the head must not decay its copy.
+        tied_head = self.model_config.tie_embeddings
         decay, no_decay = [], []
         for name, param in self.named_parameters():
             if not param.requires_grad:
                 continue
-            (decay if param.ndim >= 2 and "emb" not in name else no_decay).append(param)
+            embedding = "emb" in name or (tied_head and name.endswith("head.weight"))
+            (decay if param.ndim >= 2 and not embedding else no_decay).append(param)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,

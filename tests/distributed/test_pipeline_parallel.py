@@ -77,6 +77,16 @@ def test_pipeline_composes_with_fsdp_and_tp(layout: list[str], reference: dict, 
     assert_same_run(run_app([*FAST, *layout, "parallelism.microbatches=2"], tmp_path), reference)
 
 
+def test_tied_embedding_and_head_on_different_stages_match_one_process(tmp_path: Path) -> None:
+    # The head's stage holds a copy of the embedding matrix: values broadcast from the embedding's stage, gradients
+    # summed over both, and no weight decay on the copy (the embedding gets none in one process).
+    tied = [*FAST, "model.tie_embeddings=true"]
+    one = run_app([*tied, *REFERENCE], tmp_path / "one")
+    result = run_app([*tied, "parallelism=pp", "cluster.devices=2"], tmp_path / "pp")
+    np.testing.assert_allclose(losses(result), losses(one), rtol=1e-5)
+    np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(one, "train/grad_norm"), rtol=1e-5)
+
+
 def test_validation_and_sanity_check_run_through_the_schedule(tmp_path: Path) -> None:
     val = ["trainer.num_sanity_val_steps=1", "trainer.limit_val_batches=2", "trainer.val_check_interval=5"]
     single = run_app([*FAST, *REFERENCE, *val], tmp_path / "single")

@@ -126,11 +126,6 @@ def test_unknown_schedule_lists_the_valid_ones() -> None:
         _check("parallelism.schedule=Zigzag")
 
 
-def test_tied_embeddings_across_stages() -> None:
-    with pytest.raises(ValueError, match="tie_embeddings=true"):
-        _check("model.tie_embeddings=true")
-
-
 def test_registered_in_lightning() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
