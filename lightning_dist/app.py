@@ -127,6 +127,11 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
             f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
             f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
         )
+    if gpt and cfg.model.tie_embeddings and dims.tp_enabled:
+        raise ValueError(
+            f"model.tie_embeddings=true with parallelism.pp={dims.pp} and parallelism.tp={dims.tp}: a weight tied "
+            "across pipeline stages is not supported with tensor parallelism yet; untie it or use pp or tp alone."
+        )
     microbatches = par.microbatches if par.microbatches is not None else num_stages
     try:
         pipeline.check_microbatches(schedule, microbatches, dims.pp, par.stages_per_rank, batch_size=per_rank_batch)

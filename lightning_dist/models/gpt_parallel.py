@@ -24,10 +24,6 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, s
         return
     if cfg.arch != "llama":
         raise ValueError(f"tp={tp} with model.arch={cfg.arch!r}: tensor parallelism supports arch=llama; set tp=1.")
-    if cfg.tie_embeddings:
-        raise ValueError(
-            f"tp={tp} with model.tie_embeddings=true is not supported yet; set model.tie_embeddings=false."
-        )
     sizes = {
         "model.n_heads": cfg.n_heads,
         "model.n_kv_heads": cfg.kv_heads,

@@ -103,6 +103,13 @@ class PipelineStages:
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
         stage_of = tied.stage_of_name(spec, keys, groups)
         stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
+        if stage_ties and dims.tp_enabled:
+            names = " and ".join(stage_ties[0].names)
+            raise ValueError(
+                f"{names} are one (tied) parameter on different pipeline stages, which is not supported with "
+                f"tp={dims.tp} yet (their tensor-parallel shards are not matched across stages); untie them, or "
+                "use pp or tp alone."
+            )
         tied.create_groups(stage_ties, dims, global_rank)
         pp_rank = dims.coordinates(global_rank)["pp"]
         stage_ids = pipeline.stage_ids(pp_rank, dims.pp, stages_per_rank, schedule)

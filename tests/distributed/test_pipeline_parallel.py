@@ -85,6 +85,13 @@ def test_tied_embedding_and_head_on_different_stages_match_one_process(tmp_path:
     result = run_app([*tied, "parallelism=pp", "cluster.devices=2"], tmp_path / "pp")
     np.testing.assert_allclose(losses(result), losses(one), rtol=1e-5)
     np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(one, "train/grad_norm"), rtol=1e-5)
+    # Tensor parallelism shards both the same way (vocab rows), so they stay one parameter there too.
+    result = run_app([*tied, "parallelism=tp", "cluster.devices=2"], tmp_path / "tp")
+    np.testing.assert_allclose(losses(result), losses(one), rtol=1e-5)
+    from lightning_dist.app import check_config
+
+    with pytest.raises(ValueError, match=r"model.tie_embeddings=true with parallelism.pp=2 and parallelism.tp=2"):
+        check_config(compose_config([*tied, "parallelism=3d", "cluster.devices=4"]))
 
 
 def test_validation_and_sanity_check_run_through_the_schedule(tmp_path: Path) -> None:
