@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config import LoggerConfig, TrainConfig
+from lightning_dist.config import TrainConfig
 from lightning_dist.parallel_dims import ParallelDims
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
@@ -56,6 +56,7 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     from lightning_dist.builders import check_model_and_data, resolve_micro_batch
 
     par, cluster = cfg.parallelism, cfg.cluster
+    _check_run(cfg)
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
     cluster.accelerator = _resolve_accelerator(cluster.accelerator)
@@ -139,6 +140,36 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
         raise ValueError(f"parallelism.{err}") from None  # the same message, named as the config field
 
 
+def _check_run(cfg: TrainConfig) -> None:
+    """The run's length and checkpoints, and which run it continues (``resume`` / ``ckpt_path=last``)."""
+    from lightning_dist.checkpoint import resolve_resume
+    from lightning_dist.strategies.guard import check_action
+
+    trainer, every = cfg.trainer, cfg.checkpoint
+    try:
+        check_action(trainer.on_nonfinite)
+    except ValueError as err:
+        raise ValueError(f"trainer.{err}") from None
+    for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
+        if getattr(trainer, name) < 1:
+            raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")
+    if every.every_n_steps is not None and every.every_n_steps < 1:
+        raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
+    if every.every_n_minutes is not None and every.every_n_minutes <= 0:
+        raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
+    if every.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
+    if cfg.ckpt_path == "last":
+        cfg.resume, cfg.ckpt_path = "auto", None
+    if cfg.resume is not None:
+        if cfg.ckpt_path is not None:
+            raise ValueError(f"resume={cfg.resume} and ckpt_path={cfg.ckpt_path}: set only one of them.")
+        run_dir, found = resolve_resume(cfg.resume, cfg.output_dir)
+        cfg.output_dir, cfg.ckpt_path, cfg.resume = str(run_dir), str(found), None
+    elif cfg.ckpt_path is not None and not Path(cfg.ckpt_path).exists():
+        raise ValueError(f"ckpt_path={cfg.ckpt_path} does not exist; give a checkpoint file or folder.")
+
+
 def _check_strategy_can_do(par) -> None:
     """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
     cannot = _CANNOT_DO[par.strategy]
@@ -213,23 +244,28 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
             without the app's launcher, e.g. by a test).
     """
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_dist.builders import build_datamodule, build_module
+    from lightning_dist.checkpoint import RunCheckpoints
     from lightning_dist.data import TokenDataModule
+    from lightning_dist.loggers import build_logger, finish_wandb
     from lightning_dist.telemetry import LossHistory, Telemetry
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
+    # Our data module resumes mid-epoch by optimizer step (StepSampler); Lightning cannot tell and warns.
+    warnings.filterwarnings("ignore", ".*your dataloader is not resumable.*")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = Path(cfg.output_dir)
     if dims is None:
         dims = check_config(cfg)
     datamodule = build_datamodule(cfg)
     module = build_module(cfg)
-    logger = build_logger(cfg.logger, out_dir, cfg)
+    continuing = cfg.ckpt_path is not None and Path(cfg.ckpt_path).parent == out_dir / "checkpoints"
+    logger = build_logger(cfg.logger, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
     history = LossHistory()
-    checkpoint = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True, save_top_k=0)
+    every = cfg.checkpoint
+    checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
     all_callbacks = [history, *callbacks]
     if cfg.trainer.telemetry:
         telemetry = Telemetry(
@@ -254,7 +290,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         num_sanity_val_steps=cfg.trainer.num_sanity_val_steps,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         gradient_clip_val=cfg.trainer.gradient_clip_val,
-        enable_checkpointing=cfg.trainer.enable_checkpointing,
+        enable_checkpointing=False,  # ours: RunCheckpoints (Lightning would add its ModelCheckpoint)
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         logger=logger,
@@ -263,10 +299,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
         default_root_dir=out_dir,
     )
-    ckpt_path = cfg.ckpt_path
-    if ckpt_path == "last":
-        ckpt_path = str(out_dir / "checkpoints" / "last.ckpt")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = trainer.callback_metrics
     result = {
         "output_dir": str(out_dir),
@@ -276,8 +309,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         "val_loss": float(metrics["val/loss"]) if "val/loss" in metrics else None,
         "loss_floor": getattr(datamodule, "loss_floor", None),
         "history": history.records,
-        "checkpoint": checkpoint.last_model_path or None,
-        "wandb_dir": _finish_wandb(logger),
+        "checkpoint": str(checkpoint.last_path) if checkpoint.last_path else None,
+        "wandb_dir": finish_wandb(logger),
         "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
     }
     return result
@@ -296,7 +329,9 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
     backend = cfg.cluster.process_group_backend
     timeout = timedelta(minutes=10)
     if cfg.parallelism.strategy == "ddp":
-        return DataParallelStrategy(process_group_backend=backend, timeout=timeout)
+        return DataParallelStrategy(
+            process_group_backend=backend, timeout=timeout, on_nonfinite=cfg.trainer.on_nonfinite
+        )
     par = cfg.parallelism
     return MeshStrategy(
         parallel_dims=dims,
@@ -310,47 +345,7 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
         ac_selective=par.ac_selective,
         compile=par.compile,
         cpu_offload=par.cpu_offload,
+        on_nonfinite=cfg.trainer.on_nonfinite,
         process_group_backend=backend,
         timeout=timeout,
     )
-
-
-def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig):
-    """Lightning's own WandbLogger / CSVLogger, or ``False`` for none."""
-    from dataclasses import asdict
-
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
-
-    if cfg.kind == "none":
-        return False
-    if cfg.kind == "csv":
-        return CSVLogger(save_dir=out_dir, name="csv", version="")
-    if cfg.kind == "wandb":
-        kwargs: dict[str, Any] = {}
-        if wandb_offline_by_default():
-            kwargs["offline"] = True
-        name = cfg.name or f"{run_cfg.parallelism.strategy}-{out_dir.name}"
-        return WandbLogger(
-            project=cfg.project, name=name, save_dir=str(out_dir), tags=list(cfg.tags), config=asdict(run_cfg), **kwargs
-        )
-    raise ValueError(f"logger.kind={cfg.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
-
-
-def wandb_offline_by_default() -> bool:
-    """Offline unless the user configured W&B: ``WANDB_MODE`` (respected as is) or an API key (env or netrc)."""
-    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
-        return False
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
-
-
-def _finish_wandb(logger) -> str | None:
-    from lightning.pytorch.loggers import WandbLogger
-
-    if not isinstance(logger, WandbLogger) or int(os.environ.get("RANK", "0")) != 0:
-        return None
-    import wandb
-
-    run_dir = Path(logger.experiment.dir).parent  # .../wandb/offline-run-<id>/files -> the run folder
-    wandb.finish()
-    return str(run_dir)

@@ -9,9 +9,12 @@ exactly its own keys.
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -53,3 +56,125 @@ def load_sharded(
     for idx, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_STATE_LOAD)
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
+
+
+# ------------------------------------------------------------------------------------------ during the run
+LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
+
+
+class RunCheckpoints(pl.Callback):
+    """Checkpoints during the run, each published only once complete, the newest ``keep_last`` kept.
+
+    A checkpoint is written by Lightning's own flow (``trainer.save_checkpoint``: model, optimizer, LR schedule,
+    loops, data position) under a temporary name, then renamed to ``step-<N>`` and named in the ``latest`` file
+    (written to a temporary file and renamed: atomic on POSIX). A crash mid-save leaves only a ``.partial`` folder
+    and the previous checkpoint still named as latest; older checkpoints are pruned only after a newer one is
+    published. Saves happen after an optimizer step: every ``every_n_steps``, once ``every_n_minutes`` have passed
+    since the last one (rank 0's clock decides for all), and at the end of training.
+
+    Args:
+        dirpath: The run's checkpoint folder.
+        every_n_steps: Save every this many optimizer steps (``None``: not by steps).
+        every_n_minutes: Save when this much wall time has passed since the last save (``None``: not by time).
+        keep_last: Complete checkpoints to keep (the newest ones).
+    """
+
+    def __init__(
+        self, dirpath: Path, every_n_steps: int | None = None, every_n_minutes: float | None = None, keep_last: int = 2
+    ) -> None:
+        self.dirpath = Path(dirpath)
+        self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
+        self.last_path: Path | None = None
+        self._last_step = -1
+        self._last_time = time.monotonic()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step, self._last_time = trainer.global_step, time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a gradient-accumulation micro batch: no optimizer step yet
+        by_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
+        by_time = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
+        if by_steps or trainer.strategy.broadcast(by_time):
+            self.save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self.save(trainer)
+
+    def save(self, trainer: pl.Trainer) -> Path:
+        """Write, publish and prune; every rank calls it (the save is collective)."""
+        step = trainer.global_step
+        final = self.dirpath / f"step-{step:08d}"
+        partial = self.dirpath / f".step-{step:08d}.partial"
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            _remove(partial)
+        trainer.strategy.barrier()
+        trainer.save_checkpoint(partial)
+        trainer.strategy.barrier()  # every rank's files are written
+        if trainer.is_global_zero:
+            _remove(final)
+            partial.rename(final)
+            pointer = self.dirpath / f".{LATEST}.tmp"
+            pointer.write_text(final.name + "\n")
+            pointer.replace(self.dirpath / LATEST)
+            for old in complete_checkpoints(self.dirpath)[: -self.keep_last]:
+                _remove(old)
+        trainer.strategy.barrier()
+        self.last_path, self._last_step, self._last_time = final, step, time.monotonic()
+        return final
+
+
+def complete_checkpoints(dirpath: Path) -> list[Path]:
+    """The published checkpoints in ``dirpath``, oldest first (``.partial`` ones are unfinished saves)."""
+    if not Path(dirpath).is_dir():
+        return []
+    return sorted(p for p in Path(dirpath).iterdir() if p.name.startswith("step-"))
+
+
+def latest_checkpoint(dirpath: Path) -> Path | None:
+    """The checkpoint the ``latest`` file names, or the newest published one; ``None`` when there is none."""
+    pointer = Path(dirpath) / LATEST
+    if pointer.is_file():
+        named = Path(dirpath) / pointer.read_text().strip()
+        if named.exists():
+            return named
+    published = complete_checkpoints(dirpath)
+    return published[-1] if published else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:
+    """The run folder to continue and its newest complete checkpoint, for ``resume=auto`` or ``resume=<path>``.
+
+    ``auto`` continues ``output_dir``; a path names a run folder, its ``checkpoints`` folder, or one checkpoint in it.
+
+    Raises:
+        ValueError: There is no complete checkpoint to continue from (one line naming where it looked).
+    """
+    if resume == "auto":
+        if output_dir is None:
+            raise ValueError("resume=auto continues output_dir, which is not set; pass resume=<run folder>.")
+        run_dir = Path(output_dir)
+    else:
+        path = Path(resume).expanduser().resolve()
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
+        if path.parent.name == "checkpoints" and path.exists():
+            return run_dir, path
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if found is None:
+        raise ValueError(
+            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}; give the folder of the run to "
+            "continue (resume=outputs/<date>/<time>), or start a new run without resume."
+        )
+    return run_dir, found

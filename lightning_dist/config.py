@@ -113,6 +113,8 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     """Lightning's gradient accumulation. Built-in data: sets data.micro_batch_size to the per-rank batch / this (the
     global batch stays data.global_batch_size); data=custom: your loader's batch x this x dp is the global batch."""
+    on_nonfinite: str = "stop"
+    """A step whose gradient norm (so also loss) is NaN / Inf: stop the run with one line, or skip the update."""
     gradient_clip_val: float | None = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     enable_checkpointing: bool = True
@@ -126,6 +128,19 @@ class TrainerConfig:
     comm_timing_every_n_steps: int | None = None
     """Time the collectives of one step in this many. None: every step on CUDA (events, no wait); elsewhere once
     per logging window, since a host timer must wait for each collective (a timed DDP step on CPU: +3-6%)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints during the run (``<run dir>/checkpoints/step-<N>``, sharded for our layouts), each published only
+    when complete; ``trainer.enable_checkpointing=false`` turns all of them off."""
+
+    every_n_steps: int | None = None
+    """Save every this many optimizer steps; None = not by steps."""
+    every_n_minutes: float | None = None
+    """Save once this much wall time has passed since the last save; None = not by time."""
+    keep_last: int = 2
+    """Published checkpoints kept (the newest); older ones are removed after a newer one is complete."""
 
 
 @dataclass
@@ -185,10 +200,13 @@ class TrainConfig:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 1234
     """Seed for initialization, data order and dropout; same seed + global batch = same run on any layout."""
     ckpt_path: str | None = None
-    """Resume from this checkpoint (file or sharded directory); 'last' = the newest in this run directory."""
+    """Start from this checkpoint (file or sharded folder) in a new run folder; 'last' = resume=auto."""
+    resume: str | None = None
+    """Continue a run in its own folder from its newest complete checkpoint: a run folder, or 'auto' (output_dir)."""
     output_dir: str | None = None
     """Where logs, checkpoints and W&B files go; None = Hydra's run directory."""
 

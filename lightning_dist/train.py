@@ -52,7 +52,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     dims = check_config(cfg)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(out_dir)
     start = time.perf_counter()
     if launched_externally():
         result = fit(cfg, dims=dims)
@@ -61,6 +61,20 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     result["wall_time_s"] = time.perf_counter() - start
     _print_summary(result)
     return result
+
+
+def _check_writable(out_dir: Path) -> None:
+    """The run folder must take files (logs, checkpoints) before any rank trains for hours and fails to save."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"output_dir={out_dir} is not writable ({err.strerror}); choose another with output_dir=... "
+            "(or hydra.run.dir=...)."
+        ) from None
 
 
 def _print_summary(result: dict[str, Any]) -> None:

@@ -76,7 +76,10 @@ def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:
     assert b"train/loss" in data and b"val/loss" in data
     for key in (b"perf/tokens_per_sec", b"perf/step_ms", b"comm/dp/ms", b"comm/dp/busbw_gbps", b"memory/"):
         assert key in data, key  # telemetry reaches the W&B run
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    steps = int(summary["steps"].split()[0])
+    assert (checkpoints / "latest").read_text().strip() == f"step-{steps:08d}"  # published at the end of training
+    assert (checkpoints / f"step-{steps:08d}").is_file()  # Lightning's DDP writes one file
 
 
 def test_readme_example_override_with_text_data(tmp_path: Path) -> None:

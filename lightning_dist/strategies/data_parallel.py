@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_dist.parallel.clip import global_grad_norm
+from lightning_dist.strategies.guard import allow_step, check_action
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 
 
@@ -17,7 +21,21 @@ class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
 
     strategy_name = "data_parallel"
 
+    def __init__(self, *args: Any, on_nonfinite: str = "stop", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_action(on_nonfinite)
+        self.on_nonfinite = on_nonfinite
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.take_over_loaders(trainer)
         super().setup(trainer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        loss = closure()
+        norm = global_grad_norm(self.lightning_module.parameters())  # all-reduced gradients: the same on every rank
+        if not allow_step(norm, loss, self.on_nonfinite, self.lightning_module):
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)

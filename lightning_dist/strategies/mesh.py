@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -33,6 +33,8 @@ from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.tensor import TensorParallelPlan
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.guard import allow_step
+from lightning_dist.strategies.guard import check_action as check_nonfinite_action
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.stages import PipelineStages
@@ -78,6 +80,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             FSDP2.
         cpu_offload: FSDP2 keeps parameter shards, gradients and optimizer state in host memory (the optimizer
             steps on the CPU); needs ``dp_shard`` or ``dp_replicate`` > 1.
+        on_nonfinite: A step whose gradient norm is NaN / Inf: ``stop`` the run, or ``skip`` the update (see
+            :mod:`lightning_dist.strategies.guard`).
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
     """
@@ -101,6 +105,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         ac_selective: str = "op",
         compile: bool = False,
         cpu_offload: bool = False,
+        on_nonfinite: str = "stop",
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
@@ -108,6 +113,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         check_ac_mode(activation_checkpointing, ac_selective)
         self.activation_checkpointing, self.ac_selective = activation_checkpointing, ac_selective
         self.compile, self.cpu_offload = compile, cpu_offload
+        check_nonfinite_action(on_nonfinite)
+        self.on_nonfinite = on_nonfinite
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
         if parallel_dims is not None:
@@ -349,19 +356,20 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_clip() -> Any:
-            loss = closure()  # forward + backward of the step's last (or only) micro batch
-            self._clip_gradients()
+        loss = closure()  # forward + backward of the step's last (or only) micro batch
+        norm = self._clip_gradients()
+        if not allow_step(norm, loss, self.on_nonfinite, self.lightning_module):
+            optimizer.zero_grad(set_to_none=True)
             return loss
+        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
 
-        return super().optimizer_step(optimizer, closure_then_clip, model, **kwargs)
-
-    def _clip_gradients(self) -> None:
+    def _clip_gradients(self) -> Tensor:
         """Clip the step's whole gradient (every micro batch in) by its norm over all axes; log ``train/grad_norm``."""
         pp_group = self.parallel_dims.group("pp") if self.parallel_dims.pp_enabled else None
         skip = self._pipeline.norm_exclude if self._pipeline is not None else frozenset()
         norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group, norm_exclude=skip)
         self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        return norm
 
     def pop_bubble_fraction(self) -> float | None:
         """This rank's pipeline idle fraction since the last call (``None`` without a pipeline or a step)."""

@@ -1,0 +1,42 @@
+"""The non-finite guard: a step whose gradient norm is NaN / Inf is never applied, on every strategy.
+
+``optim.lr=1e3`` blows the weights up within ~10 steps (before: NaN losses from step 6, a NaN checkpoint, exit 0).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import FAST, run_app
+
+from lightning_dist.checkpoint import latest_checkpoint
+from lightning_dist.launch import RankFailedError
+
+DIVERGING = ["optim.lr=1e3", "trainer.max_steps=30", "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2"]
+
+
+@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["parallelism=ddp"]], ids=["fsdp2", "ddp2"])
+def test_a_diverging_run_stops_at_the_first_nonfinite_step(layout: list[str], tmp_path: Path) -> None:
+    with pytest.raises(RankFailedError, match=r"NonFiniteError: step \d+: gradient norm nan .* is not finite") as err:
+        run_app([*FAST, *DIVERGING, *layout], tmp_path)
+    failed_step = int(re.search(r"step (\d+):", str(err.value)).group(1))
+    assert failed_step < 30
+    latest = latest_checkpoint(tmp_path / "checkpoints")
+    assert latest is not None and int(latest.name.removeprefix("step-")) < failed_step  # nothing of it saved
+
+
+def test_skip_drops_the_updates_and_trains_to_the_end(tmp_path: Path) -> None:
+    result = run_app([*FAST, *DIVERGING, "parallelism=fsdp", "trainer.on_nonfinite=skip"], tmp_path)
+    assert result["steps"] == 30
+    assert result["checkpoint"].endswith("step-00000030")
+
+
+def test_an_unknown_action_fails_before_launch() -> None:
+    from helpers import compose_config
+
+    from lightning_dist.app import check_config
+
+    with pytest.raises(ValueError, match=r"trainer.on_nonfinite='ignore' is unknown; use stop"):
+        check_config(compose_config([*FAST, "trainer.on_nonfinite=ignore"]))
