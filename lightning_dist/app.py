@@ -249,6 +249,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     from lightning_dist.checkpoint import RunCheckpoints
     from lightning_dist.data import TokenDataModule
     from lightning_dist.loggers import build_logger, finish_wandb
+    from lightning_dist.preemption import Preemption
     from lightning_dist.telemetry import LossHistory, Telemetry
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -266,7 +267,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     history = LossHistory()
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
-    all_callbacks = [history, *callbacks]
+    preemption = Preemption()
+    all_callbacks = [history, preemption, *callbacks]
     if cfg.trainer.telemetry:
         telemetry = Telemetry(
             peak_tflops=cfg.cluster.peak_tflops,
@@ -310,6 +312,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         "loss_floor": getattr(datamodule, "loss_floor", None),
         "history": history.records,
         "checkpoint": str(checkpoint.last_path) if checkpoint.last_path else None,
+        "preempted": preemption.signal_name,
         "wandb_dir": finish_wandb(logger),
         "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
     }

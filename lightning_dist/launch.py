@@ -18,10 +18,12 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_dist._compat import run_atexit_handlers
+
+#: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
+PREEMPTED_EXIT_CODE = 75
+#: How long ranks get to reach a step boundary and save after the launcher forwarded a signal.
+SHUTDOWN_GRACE_S = 300.0
 
 #: Imported once by the forkserver, so that every rank starts with them loaded.
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.app"]
@@ -90,6 +97,7 @@ def launch(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
+        "LIGHTNING_DIST_LAUNCHER_PID": str(os.getpid()),
     }
     with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
         results = Path(tmp)
@@ -100,8 +108,39 @@ def launch(
             start_method=_start_method(),
             join=False,
         )
-        _wait_for_ranks(context.processes, results, exit_grace_s)
+        with _forward_signals(context.processes):
+            _wait_for_ranks(context.processes, results, exit_grace_s)
         return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
+
+
+@contextmanager
+def _forward_signals(processes: list) -> Iterator[None]:
+    """SIGTERM / SIGINT / SIGUSR1 to the launcher go to every rank as SIGTERM: they stop at the next step boundary
+    and save (see :mod:`lightning_dist.preemption`). A second signal, or ranks still running ``SHUTDOWN_GRACE_S``
+    after the first, are killed: no rank outlives the job."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        hard = len(received) > 1
+        for process in processes:
+            if process.is_alive():
+                process.kill() if hard else process.terminate()
+        if not hard:
+            deadline = threading.Timer(SHUTDOWN_GRACE_S, lambda: [p.kill() for p in processes if p.is_alive()])
+            deadline.daemon = True
+            deadline.start()
+
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    previous = {signum: signal.signal(signum, forward) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _start_method() -> str:
@@ -172,6 +211,7 @@ def _run_rank(
     os.environ.clear()  # the server's environment is the one it started with: take the launching process's
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     os.chdir(cwd)
+    _exit_with_launcher(int(env["LIGHTNING_DIST_LAUNCHER_PID"]))
     import torch
 
     torch.set_num_threads(threads)
@@ -186,6 +226,20 @@ def _run_rank(
     partial.write_bytes(pickle.dumps(result))
     os.replace(partial, results / f"{local_rank}.out")
     _exit_without_finalization()
+
+
+def _exit_with_launcher(launcher_pid: int) -> None:
+    """A rank ends itself when its launcher is gone (killed with SIGKILL, which cannot be forwarded): no orphans."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(launcher_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _exit_without_finalization() -> None:

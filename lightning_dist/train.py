@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lightning_dist.config import TrainConfig, register_configs, to_train_config
-from lightning_dist.launch import RankFailedError, launch, launched_externally
+from lightning_dist.launch import PREEMPTED_EXIT_CODE, RankFailedError, launch, launched_externally
 
 log = logging.getLogger("lightning_dist")
 
@@ -41,9 +41,21 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.output_dir = output_dir
-        return run(train_cfg)
+        result = run(train_cfg)
     except (ValueError, FileNotFoundError, RankFailedError) as err:
         _fail(err, Path(output_dir))
+    if result.get("preempted"):
+        saved = (
+            f"checkpoint {result['checkpoint']}" if result.get("checkpoint") else "no checkpoint (checkpointing off)"
+        )
+        print(
+            f"preempted: {result['preempted']} received; stopped after step {result['steps']}, {saved}; continue "
+            f"with: lightning-dist-train resume={result['output_dir']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(PREEMPTED_EXIT_CODE)
+    return result
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
