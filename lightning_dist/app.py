@@ -157,6 +157,10 @@ def _check_run(cfg: TrainConfig) -> None:
         raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
     if every.every_n_minutes is not None and every.every_n_minutes <= 0:
         raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
+    if trainer.hang_timeout_s is not None and trainer.hang_timeout_s <= 0:
+        raise ValueError(f"trainer.hang_timeout_s={trainer.hang_timeout_s} must be > 0, or null (automatic).")
+    if trainer.max_restarts < 0:
+        raise ValueError(f"trainer.max_restarts={trainer.max_restarts} must be >= 0.")
     if every.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
     if cfg.ckpt_path == "last":
@@ -248,6 +252,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     from lightning_dist.builders import build_datamodule, build_module
     from lightning_dist.checkpoint import RunCheckpoints
     from lightning_dist.data import TokenDataModule
+    from lightning_dist.heartbeat import Heartbeat
     from lightning_dist.loggers import build_logger, finish_wandb
     from lightning_dist.preemption import Preemption
     from lightning_dist.telemetry import LossHistory, Telemetry
@@ -268,7 +273,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
     preemption = Preemption()
-    all_callbacks = [history, preemption, *callbacks]
+    all_callbacks = [history, preemption, Heartbeat(cfg.trainer.hang_timeout_s), *callbacks]
     if cfg.trainer.telemetry:
         telemetry = Telemetry(
             peak_tflops=cfg.cluster.peak_tflops,

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lightning_dist import _compat
+from lightning_dist import _compat, heartbeat
 
 _OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 _OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -113,8 +113,9 @@ class RunCheckpoints(pl.Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             _remove(partial)
         trainer.strategy.barrier()
-        trainer.save_checkpoint(partial)
-        trainer.strategy.barrier()  # every rank's files are written
+        with heartbeat.busy(step):  # a save may take minutes: the launcher must not take it for a hang
+            trainer.save_checkpoint(partial)
+            trainer.strategy.barrier()  # every rank's files are written
         if trainer.is_global_zero:
             _remove(final)
             partial.rename(final)

@@ -113,6 +113,11 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     """Lightning's gradient accumulation. Built-in data: sets data.micro_batch_size to the per-rank batch / this (the
     global batch stays data.global_batch_size); data=custom: your loader's batch x this x dp is the global batch."""
+    max_restarts: int = 0
+    """Restart a job whose rank died or hung, from its newest checkpoint in the same folder, up to this many times."""
+    hang_timeout_s: float | None = None
+    """End the job when a rank makes no optimizer step for this long; None = 5x the slowest step, at least 60 s
+    (the first steps, validation and checkpoint saves are allowed 30 minutes)."""
     on_nonfinite: str = "stop"
     """A step whose gradient norm (so also loss) is NaN / Inf: stop the run with one line, or skip the update."""
     gradient_clip_val: float | None = 1.0

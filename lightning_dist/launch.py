@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_dist import heartbeat
 from lightning_dist._compat import run_atexit_handlers
 
 #: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
@@ -168,6 +169,7 @@ def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None
     while running:
         exited = wait_for_exit(list(running), timeout=1.0)
         if not exited:
+            _check_heartbeats(processes, results, sorted(running.values()))
             if not all((results / f"{rank}.out").exists() for rank in running.values()):
                 continue
             all_delivered_at = all_delivered_at or time.monotonic()
@@ -196,6 +198,30 @@ def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None
             raise _failure(results, [process.exitcode for process in processes], rank)
 
 
+def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
+    """End the job when a rank has been silent for longer than it allowed (see :mod:`lightning_dist.heartbeat`).
+
+    A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
+    oldest is named (the one that stopped first, or one of those waiting on it).
+    """
+    beats = {rank: heartbeat.read(results / f"{rank}.beat") for rank in ranks}
+    silent = {rank: beat for rank, beat in beats.items() if beat is not None and beat[2] > beat[1]}
+    if not silent:
+        return
+    rank = max(silent, key=lambda r: silent[r][2])
+    step, allowed, age = silent[rank]
+    for process in processes:
+        if process.is_alive():
+            process.kill()  # a frozen (SIGSTOP) or deadlocked process does not act on SIGTERM
+    for process in processes:
+        process.join()
+    raise RankFailedError(
+        rank,
+        f"hung: no progress for {age:.0f} s after step {step} (allowed {allowed:.0f} s; trainer.hang_timeout_s); "
+        "the job was stopped",
+    )
+
+
 def _stop(process: Any) -> None:
     """SIGTERM, then SIGKILL if the process ignores it (a thread stuck in native code may)."""
     process.terminate()
@@ -210,6 +236,7 @@ def _run_rank(
 ) -> None:
     os.environ.clear()  # the server's environment is the one it started with: take the launching process's
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
     _exit_with_launcher(int(env["LIGHTNING_DIST_LAUNCHER_PID"]))
     import torch

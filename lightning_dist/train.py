@@ -66,13 +66,43 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     _check_writable(out_dir)
     start = time.perf_counter()
-    if launched_externally():
+    if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts)
         result = fit(cfg, dims=dims)
     else:
-        result = launch(fit, cfg.cluster.devices, cfg, (), dims)[0]
+        result = _launch_with_restarts(cfg, dims, out_dir)
     result["wall_time_s"] = time.perf_counter() - start
     _print_summary(result)
     return result
+
+
+def _launch_with_restarts(cfg: TrainConfig, dims: Any, out_dir: Path) -> dict[str, Any]:
+    """Run the ranks; when one dies or hangs, start them again from the newest checkpoint, ``max_restarts`` times.
+
+    A failure that would only repeat (a non-finite step, a bad value found on a rank) is not restarted.
+    """
+    from lightning_dist.app import fit
+    from lightning_dist.checkpoint import latest_checkpoint
+
+    for attempt in range(cfg.trainer.max_restarts + 1):
+        try:
+            return launch(fit, cfg.cluster.devices, cfg, (), dims)[0]
+        except RankFailedError as err:
+            if attempt == cfg.trainer.max_restarts or err.message.startswith(_NOT_RESTARTED):
+                raise
+            latest = latest_checkpoint(out_dir / "checkpoints")
+            cfg.ckpt_path = str(latest) if latest is not None else None
+            line = (
+                f"restart {attempt + 1}/{cfg.trainer.max_restarts}: {err}; from "
+                f"{latest if latest is not None else 'the start (no checkpoint yet)'}"
+            )
+            print(line, file=sys.stderr, flush=True)
+            with (out_dir / "restarts.log").open("a") as log_file:
+                log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    raise AssertionError("unreachable")
+
+
+#: Failures a restart would only repeat.
+_NOT_RESTARTED = ("NonFiniteError", "ValueError")
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,14 +28,9 @@ def _descendants(pid: int) -> set[int]:
     """Every process below ``pid`` (read from /proc: children of each of its threads)."""
     found, todo = set(), [pid]
     while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = {int(c) for c in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo.extend(children - found)
-            found |= children
+        children = _children(todo.pop())
+        todo.extend(children - found)
+        found |= children
     return found
 
 
@@ -73,3 +69,71 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(tmp_path: P
         rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
     np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def _ranks(pid: int) -> list[int]:
+    """The job's ranks: the forkserver's children, i.e. the main process's grandchildren."""
+    return sorted(rank for child in _children(pid) for rank in _children(child))
+
+
+def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    whole = run_app(RUN, tmp_path / "whole")
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, "trainer.max_restarts=1"]
+    job = subprocess.Popen(
+        [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while latest_checkpoint(run_dir / "checkpoints") is None:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
+        time.sleep(0.2)
+    victim = _ranks(job.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode == 0, stderr[-2000:]
+    assert "restart 1/1: rank" in stderr and "was killed by signal SIGKILL" in stderr, stderr[-2000:]
+    assert "restart 1/1" in (run_dir / "restarts.log").read_text()
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    assert [int(row["step"]) for row in rows] == list(range(STEPS))
+    np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
+
+
+def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> None:
+    from lightning_dist import heartbeat
+
+    temporary = set(Path(tempfile.gettempdir()).glob("lightning-dist-*"))
+    overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=5", f"output_dir={tmp_path}"]
+    job = subprocess.Popen(
+        [sys.executable, "-m", "lightning_dist.train", *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline, beats = time.monotonic() + 240, []
+    while not any((beat := heartbeat.read(path)) is not None and beat[0] >= 3 for path in beats):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
+        time.sleep(0.2)
+        folders = set(Path(tempfile.gettempdir()).glob("lightning-dist-*")) - temporary
+        beats = [path for folder in folders for path in folder.glob("*.beat")]
+    victim = _ranks(job.pid)[0]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        os.kill(victim, signal.SIGKILL) if _alive(victim) else None
+    assert job.returncode == 1, stderr[-2000:]
+    assert re.search(r"^error: rank \d: hung: no progress for \d+ s after step \d+ \(allowed 5 s", stderr, re.M), stderr
+    # The bound: the allowance, the launcher's 1 s poll, and the time to notice and stop (generous for a busy CI).
+    assert time.monotonic() - stopped_at < 5 + 30

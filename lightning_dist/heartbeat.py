@@ -1,0 +1,119 @@
+"""Heartbeats: each rank says after every optimizer step how long its launcher may wait for the next one.
+
+A rank that stops making progress (a frozen process, a deadlock in a collective) would otherwise hold the job until
+the collective timeout (10 minutes). Each rank writes its step and an allowed silence to a file the launcher gave it
+(``LIGHTNING_DIST_HEARTBEAT``); the launcher ends the job when a file is older than the silence it allows
+(:func:`lightning_dist.launch.launch`). The allowance is ``hang_timeout_s`` when set, else ``factor`` times the
+slowest step seen so far with a floor; the first steps (compilation, warm-up), validation, checkpoint saves and the
+end of training (final save, teardown) are allowed ``busy_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+ENV = "LIGHTNING_DIST_HEARTBEAT"
+BUSY_S = 1800.0
+
+
+def beat(step: int, allowed_s: float) -> None:
+    """Record that this rank is alive at ``step`` and may be silent for ``allowed_s`` (no-op without a launcher)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    partial = Path(f"{path}.partial")
+    partial.write_text(f"{step} {allowed_s:.1f}\n")
+    os.replace(partial, path)
+
+
+def read(path: Path) -> tuple[int, float, float] | None:
+    """``(step, allowed_s, age_s)`` of a beat file, or ``None`` before the first beat."""
+    try:
+        step, allowed = path.read_text().split()
+        return int(step), float(allowed), time.time() - path.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+
+
+_busy_until = 0.0  # when the last busy block ended (monotonic): step times are measured from there
+
+
+@contextmanager
+def busy(step: int, allowed_s: float = BUSY_S) -> Iterator[None]:
+    """Allow ``allowed_s`` of silence inside the block (a checkpoint save), then the allowance from before."""
+    global _busy_until
+    path = os.environ.get(ENV)
+    before = read(Path(path)) if path else None
+    beat(step, allowed_s)
+    try:
+        yield
+    finally:
+        _busy_until = time.monotonic()
+        beat(step, before[1] if before is not None else allowed_s)
+
+
+class Heartbeat(pl.Callback):
+    """Beats after every optimizer step (see the module docstring).
+
+    Args:
+        timeout_s: The allowed silence between steps; ``None`` = ``factor`` x the slowest step, at least ``floor_s``.
+        floor_s: The smallest automatic allowance.
+        factor: Automatic allowance as a multiple of the slowest step so far.
+        warmup_steps: Steps after the start that are allowed ``busy_s`` (compilation, allocator warm-up).
+        busy_s: The allowance for the first steps, validation, saves and the end of training.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        floor_s: float = 60.0,
+        factor: float = 5.0,
+        warmup_steps: int = 2,
+        busy_s: float = BUSY_S,
+    ) -> None:
+        self.timeout_s, self.floor_s, self.factor = timeout_s, floor_s, factor
+        self.warmup_steps, self.busy_s = warmup_steps, busy_s
+        self._start_step, self._last_step, self._last_time, self._slowest = 0, -1, 0.0, 0.0
+
+    @property
+    def allowed_s(self) -> float:
+        """The silence allowed after a step, as the run now stands."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return max(self.floor_s, self.factor * self._slowest)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = self._last_step = trainer.global_step
+        self._last_time = time.monotonic()
+        beat(trainer.global_step, self.busy_s)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a gradient-accumulation micro batch
+        now = time.monotonic()
+        if step - self._start_step > 1:  # the first step's time is compilation and warm-up, not a step
+            since = max(self._last_time, _busy_until)  # a save in between is not step time
+            self._slowest = max(self._slowest, (now - since) / (step - self._last_step))
+        self._last_step, self._last_time = step, now
+        warming_up = step - self._start_step < self.warmup_steps
+        beat(step, max(self.allowed_s, self.busy_s) if warming_up else self.allowed_s)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            beat(trainer.global_step, self.busy_s)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self._last_time = time.monotonic()  # validation time is not a step's
+            beat(trainer.global_step, self.allowed_s)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        beat(trainer.global_step, self.busy_s)  # the final save, loggers and teardown
