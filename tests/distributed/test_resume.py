@@ -87,3 +87,36 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path:
     saver.save(trainer)  # the next save replaces the leftover partial folder and publishes
     assert latest_checkpoint(dirpath) == dirpath / "step-00000009"
     assert complete_checkpoints(dirpath) == [dirpath / "step-00000009"]
+
+
+RESHARD = [*FAST, "optim.decay_steps=10", "model.n_layers=4"]
+LAYOUTS = {
+    "one": ["parallelism=fsdp", "cluster.devices=1"],
+    "fsdp4": ["parallelism=fsdp", "cluster.devices=4"],
+    "pp2-interleaved": [
+        "parallelism=pp",
+        "cluster.devices=2",
+        "parallelism.schedule=Interleaved1F1B",
+        "parallelism.stages_per_rank=2",
+    ],
+    "pp2xdp2": ["parallelism=pp", "cluster.devices=4"],
+    "pp2xtp2": ["parallelism=3d", "cluster.devices=4", "parallelism.dp_shard=1"],
+    "fsdp2": ["parallelism=fsdp", "cluster.devices=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_app([*RESHARD, *LAYOUTS["one"]], tmp_path_factory.mktemp("whole"))
+
+
+@pytest.mark.parametrize(
+    ("written", "read"), [("pp2xtp2", "fsdp4"), ("fsdp2", "pp2-interleaved"), ("pp2xdp2", "one")], ids=str
+)
+def test_a_checkpoint_resumes_under_another_layout(
+    written: str, read: str, uninterrupted: dict, tmp_path: Path
+) -> None:
+    """Model, optimizer, LR schedule and data position carry over: the later steps are the uninterrupted ones."""
+    first = run_app([*RESHARD, *LAYOUTS[written], "trainer.max_steps=5", "trainer.enable_checkpointing=true"], tmp_path)
+    second = run_app([*RESHARD, *LAYOUTS[read], f"ckpt_path={first['checkpoint']}"], tmp_path / "second")
+    np.testing.assert_allclose(losses(second), losses(uninterrupted)[5:], rtol=1e-5)
