@@ -142,7 +142,7 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
 
 def _check_run(cfg: TrainConfig) -> None:
     """The run's length and checkpoints, and which run it continues (``resume`` / ``ckpt_path=last``)."""
-    from lightning_dist.checkpoint import resolve_resume
+    from lightning_dist.checkpoint import check_loadable, resolve_resume
     from lightning_dist.strategies.guard import check_action
 
     trainer, every = cfg.trainer, cfg.checkpoint
@@ -172,6 +172,8 @@ def _check_run(cfg: TrainConfig) -> None:
         cfg.output_dir, cfg.ckpt_path, cfg.resume = str(run_dir), str(found), None
     elif cfg.ckpt_path is not None and not Path(cfg.ckpt_path).exists():
         raise ValueError(f"ckpt_path={cfg.ckpt_path} does not exist; give a checkpoint file or folder.")
+    if cfg.ckpt_path is not None:
+        check_loadable(Path(cfg.ckpt_path))
 
 
 def _check_strategy_can_do(par) -> None:

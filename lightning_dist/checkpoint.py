@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +138,43 @@ def complete_checkpoints(dirpath: Path) -> list[Path]:
 
 
 def latest_checkpoint(dirpath: Path) -> Path | None:
-    """The checkpoint the ``latest`` file names, or the newest published one; ``None`` when there is none."""
+    """The checkpoint the ``latest`` file names, else the newest published one that is whole; ``None`` if none."""
     pointer = Path(dirpath) / LATEST
     if pointer.is_file():
         named = Path(dirpath) / pointer.read_text().strip()
-        if named.exists():
+        if named.exists() and damage(named) is None:
             return named
-    published = complete_checkpoints(dirpath)
-    return published[-1] if published else None
+    whole = [path for path in complete_checkpoints(dirpath) if damage(path) is None]
+    return whole[-1] if whole else None
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot be loaded (missing parts, a truncated file), or ``None`` if it looks whole.
+
+    A sharded folder is whole once DCP wrote ``.metadata`` (its last step) and Lightning its own file; a single file
+    is a zip archive (``torch.save``) whose directory, at its end, is readable.
+    """
+    path = Path(path)
+    if path.is_dir():
+        missing = [name for name in (".metadata", _compat.checkpoint_metadata_file()) if not (path / name).is_file()]
+        return f"missing {', '.join(missing)}" if missing else None
+    if not path.is_file():
+        return "no such file or folder"
+    return None if zipfile.is_zipfile(path) else "not a complete torch.save archive (truncated?)"
+
+
+def check_loadable(path: Path) -> None:
+    """Raise one line naming ``path``, what is wrong with it and the newest whole checkpoint beside it.
+
+    Raises:
+        ValueError: The checkpoint is damaged.
+    """
+    problem = damage(path)
+    if problem is None:
+        return
+    good = latest_checkpoint(Path(path).parent)
+    fallback = f"the newest whole checkpoint there is {good}" if good else "there is no whole checkpoint beside it"
+    raise ValueError(f"checkpoint {path} cannot be loaded ({problem}); {fallback}.")
 
 
 def _remove(path: Path) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from helpers import FAST, compose_config, losses, run_app
 
+from lightning_dist._compat import checkpoint_metadata_file
 from lightning_dist.checkpoint import LATEST, RunCheckpoints, complete_checkpoints, latest_checkpoint
 
 LAYOUT = ["parallelism=fsdp", "cluster.devices=2", "optim.decay_steps=10", "logger=csv"]
@@ -69,11 +70,13 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path:
     dirpath = tmp_path / "checkpoints"
     strategy = SimpleNamespace(barrier=lambda: None, broadcast=lambda value: value)
 
-    def save_checkpoint(path: Path) -> None:
+    def save_checkpoint(path: Path) -> None:  # DCP's order: the shards, then .metadata; Lightning's file last
         path.mkdir()
-        (path / "__0_0.distcp").write_bytes(b"half")
+        (path / "__0_0.distcp").write_bytes(b"shard")
         if trainer.global_step == 6:
             raise KeyboardInterrupt  # killed while writing
+        (path / ".metadata").write_bytes(b"index")
+        (path / checkpoint_metadata_file()).write_bytes(b"loops")
 
     trainer = SimpleNamespace(global_step=3, is_global_zero=True, strategy=strategy, save_checkpoint=save_checkpoint)
     saver = RunCheckpoints(dirpath, every_n_steps=3, keep_last=1)
@@ -120,3 +123,23 @@ def test_a_checkpoint_resumes_under_another_layout(
     first = run_app([*RESHARD, *LAYOUTS[written], "trainer.max_steps=5", "trainer.enable_checkpointing=true"], tmp_path)
     second = run_app([*RESHARD, *LAYOUTS[read], f"ckpt_path={first['checkpoint']}"], tmp_path / "second")
     np.testing.assert_allclose(losses(second), losses(uninterrupted)[5:], rtol=1e-5)
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: Path) -> None:
+    from lightning_dist.app import check_config
+
+    run_dir = tmp_path / "run"
+    saving = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2", "checkpoint.keep_last=3"]
+    run_app([*FAST, "parallelism=ddp", "trainer.max_steps=4", *saving], run_dir)  # Lightning's DDP: single files
+    run_app([*FAST, "parallelism=fsdp", "trainer.max_steps=4", *saving], tmp_path / "sharded")
+    newest, older = run_dir / "checkpoints" / "step-00000004", run_dir / "checkpoints" / "step-00000002"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, e.g. a full disk
+    with pytest.raises(ValueError, match=rf"checkpoint {newest} cannot be loaded \(not a complete torch.save archive"):
+        check_config(compose_config([*FAST, f"ckpt_path={newest}"], tmp_path / "new"))
+    cfg = compose_config([*FAST, f"resume={run_dir}"], tmp_path / "unused")
+    check_config(cfg)
+    assert cfg.ckpt_path == str(older)  # resume skips it and takes the newest whole one
+    sharded = tmp_path / "sharded" / "checkpoints" / "step-00000004"
+    (sharded / ".metadata").unlink()  # DCP never finished this one
+    with pytest.raises(ValueError, match=r"step-00000004 cannot be loaded \(missing .metadata\); the newest whole"):
+        check_config(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))
