@@ -43,7 +43,17 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             f"lower data.seq_len or raise model.max_seq_len."
         )
     validate_data_config(data)
-    TokenDataModule(data, seed=cfg.seed).setup()  # missing / empty files fail here, before any rank starts
+    datamodule = TokenDataModule(data, seed=cfg.seed)
+    datamodule.setup()  # missing / empty / binary-as-text files fail here, before any rank starts
+    if data.kind == "tokens":
+        for split in ("train", "val"):
+            dataset = datamodule.dataset(split)
+            largest = dataset.max_token()
+            if largest >= data.vocab_size:
+                raise ValueError(
+                    f"{str(dataset.file)!r} holds token id {largest}, beyond data.vocab_size={data.vocab_size}; set "
+                    f"data.vocab_size (and model.vocab_size) above {largest}, or check data.token_dtype."
+                )
     return per_rank_batch
 
 

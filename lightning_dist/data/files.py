@@ -73,7 +73,15 @@ class TextDataset(Dataset):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1); pass e.g. data.val_fraction=0.1")
         files = resolve_text_files(path)
-        data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+        contents = [f.read_bytes() for f in files]
+        for file, content in zip(files, contents):
+            nul = content.find(b"\0")  # text has no NUL bytes; token .bin files and archives do
+            if nul >= 0:
+                raise ValueError(
+                    f"data.path file {str(file)!r} is binary (a NUL byte at offset {nul}); data=text "
+                    "reads text files: for token .bin files use data=tokens."
+                )
+        data = np.frombuffer(b"".join(contents), dtype=np.uint8)
         if data.size == 0:
             raise ValueError(f"data.path={path!r} holds only empty files; point data.path at non-empty text")
         num_val = round(data.size * val_fraction)
@@ -150,6 +158,12 @@ class TokenDataset(Dataset):
                 "one sample; use a larger file or a smaller data.seq_len"
             )
         self._data: np.memmap | None = None
+
+    def max_token(self) -> int:
+        """The largest token id in the file (read in chunks: memory stays small for any size)."""
+        data = np.memmap(self.file, dtype=self.dtype, mode="r")
+        chunk = 1 << 26
+        return int(max(data[start : start + chunk].max() for start in range(0, data.size, chunk)))
 
     def __getstate__(self) -> dict[str, Any]:
         # Drop the mapping so pickling to workers stays cheap; each process re-maps on first access.
