@@ -91,7 +91,7 @@ def test_synthetic_datamodule_seed() -> None:
 
 
 def test_text_dataset(tmp_path: Path) -> None:
-    data = bytes(range(256)) * 4  # 1024 bytes
+    data = bytes(b or 1 for b in range(256)) * 4  # 1024 bytes of every value but NUL (a NUL marks a binary file)
     (tmp_path / "a.txt").write_bytes(data[:500])
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_bytes(data[500:])
