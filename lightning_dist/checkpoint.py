@@ -96,10 +96,12 @@ class RunCheckpoints(pl.Callback):
         step = trainer.global_step
         if step == self._last_step:
             return  # a gradient-accumulation micro batch: no optimizer step yet
-        by_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
-        by_time = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
-        if by_steps or trainer.strategy.broadcast(by_time):
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
             self.save(trainer)
+        elif self.every_n_minutes is not None:
+            due = time.monotonic() - self._last_time >= 60 * self.every_n_minutes
+            if trainer.strategy.broadcast(due):  # rank 0's clock decides, so every rank saves at the same step
+                self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._last_step:

@@ -143,3 +143,21 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: 
     (sharded / ".metadata").unlink()  # DCP never finished this one
     with pytest.raises(ValueError, match=r"step-00000004 cannot be loaded \(missing .metadata\); the newest whole"):
         check_config(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))
+
+
+def test_saves_by_wall_time_follow_rank_zeros_clock(tmp_path: Path) -> None:
+    decisions = []
+    strategy = SimpleNamespace(barrier=lambda: None, broadcast=lambda due: decisions.append(due) or due)
+    trainer = SimpleNamespace(global_step=1, is_global_zero=True, strategy=strategy)
+    trainer.save_checkpoint = lambda path: (path.mkdir(), (path / ".metadata").touch())
+    saver = RunCheckpoints(tmp_path, every_n_minutes=0.5)
+    saver.on_train_batch_end(trainer, None)
+    assert decisions == [False] and saver.last_path is None  # not yet due
+    saver._last_time -= 31  # half a minute later
+    trainer.global_step = 2
+    saver.on_train_batch_end(trainer, None)
+    assert decisions == [False, True] and saver.last_path == tmp_path / "step-00000002"
+    steps_only = RunCheckpoints(tmp_path, every_n_steps=10)
+    trainer.global_step = 3
+    steps_only.on_train_batch_end(trainer, None)
+    assert decisions == [False, True]  # no collective per step unless saving by time
