@@ -174,6 +174,44 @@ def _check_run(cfg: TrainConfig) -> None:
         raise ValueError(f"ckpt_path={cfg.ckpt_path} does not exist; give a checkpoint file or folder.")
     if cfg.ckpt_path is not None:
         check_loadable(Path(cfg.ckpt_path))
+    elif cfg.init_from is not None:
+        _check_init_from(cfg)
+
+
+def _check_init_from(cfg: TrainConfig) -> None:
+    """``init_from`` names weights this model can start from: a HuggingFace folder or a whole checkpoint folder."""
+    from lightning_dist.checkpoint import check_loadable
+    from lightning_dist.config import HFModelConfig
+    from lightning_dist.export import is_hf_folder
+    from lightning_dist.models.gpt import GPTConfig
+    from lightning_dist.models.gpt_hf import from_hf_names
+
+    path = Path(cfg.init_from)
+    if is_hf_folder(path):
+        if isinstance(cfg.model, GPTConfig):
+            from_hf_names(cfg.model)  # raises for the layouts that cannot be read slice by slice
+        elif not isinstance(cfg.model, HFModelConfig):
+            raise ValueError(
+                f"init_from={path} is a HuggingFace folder, which only the built-in GPT and model=hf read; start from "
+                "a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
+            )
+    elif path.is_dir() and (path / ".metadata").exists():
+        check_loadable(path)
+    else:
+        raise ValueError(
+            f"init_from={path} is neither a HuggingFace folder (config.json + *.safetensors) nor a sharded checkpoint "
+            "folder (.metadata); export a checkpoint with lightning-dist-export, or give its checkpoints/step-N folder."
+        )
+    if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # names and shapes, on the meta device: nothing allocated
+        import torch
+
+        from lightning_dist.builders import build_module
+        from lightning_dist.checkpoint import weight_sources
+
+        with torch.device("meta"):
+            module = build_module(cfg)
+            module.configure_model()
+        weight_sources(path, module, module.state_dict())
 
 
 def _check_strategy_can_do(par) -> None:
@@ -252,7 +290,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     import lightning.pytorch as pl
 
     from lightning_dist.builders import build_datamodule, build_module
-    from lightning_dist.checkpoint import RunCheckpoints
+    from lightning_dist.checkpoint import InitWeights, RunCheckpoints
     from lightning_dist.data import TokenDataModule
     from lightning_dist.heartbeat import Heartbeat
     from lightning_dist.loggers import build_logger, finish_wandb
@@ -285,6 +323,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         all_callbacks.append(telemetry)
     if cfg.trainer.enable_checkpointing:
         all_callbacks.append(checkpoint)
+    if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
+        all_callbacks.append(InitWeights(Path(cfg.init_from)))
     trainer = pl.Trainer(
         accelerator=cfg.cluster.accelerator,
         devices=cfg.cluster.devices,

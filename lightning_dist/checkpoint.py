@@ -59,6 +59,68 @@ def load_sharded(
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
 
+def weight_sources(path: Path, module: nn.Module, state: dict[str, Any]) -> dict[str, str]:
+    """For each tensor of ``state`` (``module``'s, this rank's), the key it is read from in ``path``.
+
+    Raises:
+        ValueError: ``path`` lacks a tensor the module needs, or holds it with another shape (one line).
+    """
+    from lightning_dist.export import hf_source_names, is_hf_folder
+
+    available = _reader(path).read_metadata().state_dict_metadata
+    if is_hf_folder(path):
+        sources = hf_source_names(module, state, available)
+    else:
+        sources = {name: f"state_dict.{name}" for name in state}
+    for name, source in sources.items():
+        shape = tuple(state[name].shape)
+        if source not in available:
+            raise ValueError(f"init_from={path} has no tensor {source} (for {name}); is it this model's checkpoint?")
+        if tuple(available[source].size) != shape:
+            raise ValueError(
+                f"init_from={path}: {source} has shape {tuple(available[source].size)} there and {shape} here; set "
+                "the model config the weights were trained with."
+            )
+    return sources
+
+
+def load_weights(path: Path, module: nn.Module) -> None:
+    """Fill ``module``'s weights in place from a HuggingFace folder or a checkpoint folder, under any layout.
+
+    Every rank reads only the slices its shards and stages hold (DCP's resharding; ``HuggingFaceStorageReader`` for
+    safetensors). The optimizer, schedule and data position are not read: a new run starts from these weights.
+
+    Raises:
+        ValueError: See :func:`weight_sources`.
+    """
+    state = get_model_state_dict(module)
+    sources = weight_sources(path, module, state)
+    # One DCP read per pass, each source key at most once per pass (a tied head and embedding share one source).
+    passes: list[dict[str, Any]] = [{}, {}]
+    for name, source in sources.items():
+        passes[0 if source not in passes[0] else 1][source] = state[name]
+    for targets in passes:  # every rank runs both passes: DCP's planning is collective
+        dcp.load(targets, storage_reader=_reader(path))  # a reader is stateful: a new one per load
+    set_model_state_dict(module, state)
+
+
+def _reader(path: Path) -> Any:
+    from lightning_dist.export import is_hf_folder
+
+    return dcp.HuggingFaceStorageReader(str(path)) if is_hf_folder(path) else dcp.FileSystemReader(str(path))
+
+
+class InitWeights(pl.Callback):
+    """Start a new run from the weights in ``path`` (see :func:`load_weights`), once the layout is applied."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with heartbeat.busy(trainer.global_step):
+            load_weights(self.path, pl_module)
+
+
 # ------------------------------------------------------------------------------------------ during the run
 LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
 

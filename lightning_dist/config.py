@@ -212,6 +212,9 @@ class TrainConfig:
     """Start from this checkpoint (file or sharded folder) in a new run folder; 'last' = resume=auto."""
     resume: str | None = None
     """Continue a run in its own folder from its newest complete checkpoint: a run folder, or 'auto' (output_dir)."""
+    init_from: str | None = None
+    """Start a new run from these weights (a HuggingFace folder, or a checkpoint folder: weights only, a fresh
+    optimizer); ignored when the run continues from a checkpoint (resume / ckpt_path / restarts)."""
     output_dir: str | None = None
     """Where logs, checkpoints and W&B files go; None = Hydra's run directory."""
 

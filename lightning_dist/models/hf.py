@@ -209,6 +209,9 @@ class HFCausalLM(pl.LightningModule):
         self.model = model
         self.lr = lr
         self.weight_decay = weight_decay
+        # The checkpoint names its model: lightning-dist-export writes the HuggingFace folder back from these.
+        config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+        self.save_hyperparameters({"hf_config": config, "lr": lr, "weight_decay": weight_decay}, logger=False)
         self.step_loss = StepLoss()
 
     def compute_loss(self, batch: Any) -> Tensor:

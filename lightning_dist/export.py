@@ -1,0 +1,252 @@
+"""``lightning-dist-export CKPT OUT``: a checkpoint of any layout as one weights file or as HuggingFace safetensors.
+
+Runs in one process with no process group. A sharded checkpoint (DCP) is read a few tensors at a time, each whole
+(DCP assembles it from the shards of whatever layout wrote it, pipeline stages included), so the HuggingFace export
+never holds more than one output shard (``--max-shard-size``) in memory. The single file holds every weight once:
+``torch.save`` writes one archive from one dict.
+
+Examples::
+
+    lightning-dist-export outputs/2026-11-24/10-00-00 model.pt          # the run's newest checkpoint, one file
+    lightning-dist-export outputs/.../checkpoints/step-00000300 hf/     # HuggingFace folder (config.json, safetensors)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from lightning_dist import _compat
+from lightning_dist.checkpoint import check_loadable, latest_checkpoint
+
+_PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; DCP flattens nested keys with dots
+_MODULE_ATTR = "model."  # GPTModule.model and HFCausalLM.model hold the network
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Checkpoint:
+    """Read access to one checkpoint's weights, a tensor at a time, whatever layout wrote it.
+
+    Args:
+        path: A sharded checkpoint folder, a single checkpoint file, or a run folder (its newest checkpoint).
+
+    Raises:
+        ValueError: No checkpoint there, or a damaged one (one line naming the newest whole one).
+    """
+
+    def __init__(self, path: Path) -> None:
+        path = Path(path)
+        if (path / "checkpoints").is_dir():
+            found = latest_checkpoint(path / "checkpoints")
+            if found is None:
+                raise ValueError(f"{path} is a run folder without a complete checkpoint in {path / 'checkpoints'}.")
+            path = found
+        if not path.exists():
+            raise ValueError(f"{path} does not exist; give a checkpoint folder or file, or a run folder.")
+        check_loadable(path)
+        self.path = path
+        self._file: dict[str, Any] | None = None
+        if path.is_dir():
+            meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            self.shapes = {
+                k[len(_PREFIX) :]: (torch.Size(m.size), m.properties.dtype)
+                for k, m in meta.items()
+                if k.startswith(_PREFIX) and hasattr(m, "properties")  # tensors (not bytes)
+            }
+            rest = torch.load(path / _compat.checkpoint_metadata_file(), weights_only=False, map_location="cpu")
+        else:
+            rest = torch.load(path, weights_only=False, map_location="cpu", mmap=True)
+            self._file = rest["state_dict"]
+            self.shapes = {k: (v.shape, v.dtype) for k, v in self._file.items() if isinstance(v, Tensor)}
+        self.hyper_parameters: dict[str, Any] = dict(rest.get("hyper_parameters") or {})
+
+    @property
+    def names(self) -> list[str]:
+        """The module's tensor names (``LightningModule.state_dict()`` keys)."""
+        return list(self.shapes)
+
+    def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the whole tensor ``name`` (in ``dtype`` if given)."""
+        shape, stored = self.shapes[name]
+        return shape.numel() * (dtype or stored).itemsize
+
+    def read(self, names: list[str]) -> dict[str, Tensor]:
+        """The whole tensors ``names``, on the CPU (one DCP read for all of them)."""
+        if self._file is not None:
+            return {name: self._file[name] for name in names}
+        state = {}
+        for name in names:
+            shape, dtype = self.shapes[name]
+            state[_PREFIX + name] = torch.empty(shape, dtype=dtype)
+        dcp.load(state, checkpoint_id=self.path, no_dist=True)
+        return {name[len(_PREFIX) :]: tensor for name, tensor in state.items()}
+
+
+def export_torch(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the module's weights as one ``torch.save`` file of ``{name: tensor}`` (``weights_only=True`` loads it).
+
+    The names are the LightningModule's, so ``module.load_state_dict(torch.load(out, weights_only=True))`` restores
+    the model on one process.
+    """
+    weights = {name: _cast(t, dtype) for name, t in ckpt.read(ckpt.names).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, out)
+    return out
+
+
+def export_hf(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a HuggingFace model folder: ``config.json`` and safetensors shards (with their index when several).
+
+    The built-in GPT becomes ``LlamaForCausalLM`` (``arch=llama``) or ``GPT2LMHeadModel``; an :class:`HFCausalLM`
+    gets its own class and config back.
+
+    Raises:
+        ValueError: The checkpoint's module is neither (a user's own LightningModule: use the single file).
+    """
+    from safetensors.torch import save_file
+
+    config, plan = _hf_plan(ckpt)
+    shards = list(_shards(ckpt, plan, dtype, max_shard_bytes))
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+    weight_map, total = {}, 0
+    for filename, shard in zip(names, shards):
+        tensors: dict[str, Tensor] = {}
+        read = ckpt.read(sorted({source for item in shard for source in item.sources}))
+        for item in shard:
+            tensors[item.name] = _cast(item.combine(*(read[s] for s in item.sources)), dtype).contiguous()
+            weight_map[item.name] = filename
+            total += tensors[item.name].nbytes
+        save_file(tensors, out / filename, metadata={"format": "pt"})
+        del tensors, read
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _hf_plan(ckpt: Checkpoint) -> tuple[dict[str, Any], list[Any]]:
+    """The HuggingFace config and the list of tensors to write, each with the checkpoint tensors it is made from."""
+    from lightning_dist.models.gpt import GPTConfig
+    from lightning_dist.models.gpt_hf import Converted, _same, hf_config, hf_tensors
+
+    hp = ckpt.hyper_parameters
+    if isinstance(hp.get("model"), dict) and "arch" in hp["model"]:
+        gpt = GPTConfig(**hp["model"])
+        plan = [Converted(c.name, tuple(_MODULE_ATTR + s for s in c.sources), c.combine) for c in hf_tensors(gpt)]
+        return hf_config(gpt), plan
+    if "hf_config" in hp:
+        config = dict(hp["hf_config"])
+        tied = config.get("tie_word_embeddings", False)
+        names = [n for n in ckpt.names if n.startswith(_MODULE_ATTR)]
+        kept = [n for n in names if not (tied and n.endswith("lm_head.weight"))]  # transformers re-ties the head
+        plan = [Converted(n[len(_MODULE_ATTR) :], (n,), _same) for n in kept]
+        return config, plan
+    raise ValueError(
+        f"{ckpt.path} holds neither the built-in GPT nor an HFCausalLM (hyper_parameters: {sorted(hp) or 'none'}); "
+        "export your own module with --format torch (OUT ending in .pt)."
+    )
+
+
+def is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` is a HuggingFace model folder (``config.json`` and safetensors)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[str, str]:
+    """For each of ``module``'s tensors in ``state`` (this rank's), the HuggingFace tensor it is read from.
+
+    A tied output head reads ``lm_head.weight`` where the folder has it, else the input embedding (transformers
+    leaves a tied head out of its files).
+
+    Raises:
+        ValueError: ``module`` is neither the built-in GPT nor an :class:`HFCausalLM`.
+    """
+    from lightning_dist.models.gpt_hf import from_hf_names
+    from lightning_dist.models.hf import HFCausalLM
+    from lightning_dist.models.module import GPTModule
+
+    if isinstance(module, GPTModule):
+        names = from_hf_names(module.model_config)
+        sources = {name: names[name[len(_MODULE_ATTR) :]] for name in state}
+    elif isinstance(module, HFCausalLM):
+        sources = {name: name[len(_MODULE_ATTR) :] for name in state}
+    else:
+        raise ValueError(
+            f"init_from a HuggingFace folder needs the built-in GPT or model=hf, not {type(module).__name__}; start "
+            "from a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
+        )
+    for name, source in sources.items():
+        if source == "lm_head.weight" and source not in available:
+            embedding = [key for key in ("model.embed_tokens.weight", "transformer.wte.weight") if key in available]
+            sources[name] = embedding[0] if embedding else source
+    return sources
+
+
+def _shards(ckpt: Checkpoint, plan: list[Any], dtype: torch.dtype | None, limit: int) -> Iterator[list[Any]]:
+    """``plan`` cut, in order, into lists whose output bytes stay under ``limit`` (a bigger tensor goes alone)."""
+    shard: list[Any] = []
+    size = 0
+    for item in plan:
+        nbytes = sum(ckpt.nbytes(source, dtype) for source in item.sources)
+        if shard and size + nbytes > limit:
+            yield shard
+            shard, size = [], 0
+        shard.append(item)
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dist-export",
+        description="Export a lightning-dist checkpoint (any layout) as one weights file or a HuggingFace folder.",
+    )
+    parser.add_argument("ckpt", type=Path, help="a checkpoint folder or file, or a run folder (its newest checkpoint)")
+    parser.add_argument("out", type=Path, help="a file ending in .pt/.pth (one file) or a folder (HuggingFace)")
+    parser.add_argument("--format", choices=("torch", "hf"), help="default: torch for .pt/.pth, else hf")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as stored)")
+    parser.add_argument("--max-shard-size", default="5GB", help="HuggingFace shard size, e.g. 5GB or 500MB")
+    args = parser.parse_args(argv)
+    fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    try:
+        ckpt = Checkpoint(args.ckpt)
+        if fmt == "torch":
+            written = export_torch(ckpt, args.out, dtype)
+        else:
+            written = export_hf(ckpt, args.out, dtype, _size(args.max_shard_size))
+    except ValueError as err:
+        sys.exit(f"lightning-dist-export: {err}")
+    print(f"exported {ckpt.path} -> {written} ({fmt})")
+
+
+if __name__ == "__main__":
+    main()
