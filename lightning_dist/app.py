@@ -161,6 +161,11 @@ def _check_run(cfg: TrainConfig) -> None:
         raise ValueError(f"trainer.hang_timeout_s={trainer.hang_timeout_s} must be > 0, or null (automatic).")
     if trainer.max_restarts < 0:
         raise ValueError(f"trainer.max_restarts={trainer.max_restarts} must be >= 0.")
+    if every.async_save and cfg.parallelism.strategy == "ddp":
+        raise ValueError(
+            "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
+            "use parallelism=fsdp, or checkpoint.async_save=false."
+        )
     if every.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
     if cfg.ckpt_path == "last":
@@ -396,6 +401,7 @@ def build_strategy(cfg: TrainConfig, dims: ParallelDims):
         compile=par.compile,
         cpu_offload=par.cpu_offload,
         on_nonfinite=cfg.trainer.on_nonfinite,
+        async_save=cfg.checkpoint.async_save,
         process_group_backend=backend,
         timeout=timeout,
     )

@@ -9,6 +9,7 @@ exactly its own keys.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import zipfile
@@ -121,6 +122,25 @@ class InitWeights(pl.Callback):
             load_weights(self.path, pl_module)
 
 
+def save_async(strategy: Any, checkpoint: dict[str, Any], path: Path) -> Any:
+    """Start writing Lightning's ``checkpoint`` to the folder ``path`` in the background; return the write's future.
+
+    Lightning's sharded layout (the ``state_dict`` / ``optimizer_<i>`` entries through DCP, the rest in one file from
+    rank 0). DCP copies the state to host memory before this returns, so training may change the weights at once.
+    The background thread's collectives run on a gloo group of their own, never beside the training's on one group.
+    The folder is complete when rank 0's future is done (DCP writes ``.metadata`` after every rank's data).
+    """
+    if getattr(strategy, "_checkpoint_group", None) is None:
+        strategy._checkpoint_group = torch.distributed.new_group(backend="gloo")
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    future = dcp.async_save(state, checkpoint_id=path, process_group=strategy._checkpoint_group)
+    if strategy.global_rank == 0:
+        torch.save(checkpoint, path / _compat.checkpoint_metadata_file())
+    return future
+
+
 # ------------------------------------------------------------------------------------------ during the run
 LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
 
@@ -130,10 +150,14 @@ class RunCheckpoints(pl.Callback):
 
     A checkpoint is written by Lightning's own flow (``trainer.save_checkpoint``: model, optimizer, LR schedule,
     loops, data position) under a temporary name, then renamed to ``step-<N>`` and named in the ``latest`` file
-    (written to a temporary file and renamed: atomic on POSIX). A crash mid-save leaves only a ``.partial`` folder
-    and the previous checkpoint still named as latest; older checkpoints are pruned only after a newer one is
-    published. Saves happen after an optimizer step: every ``every_n_steps``, once ``every_n_minutes`` have passed
-    since the last one (rank 0's clock decides for all), and at the end of training.
+    (written to a temporary file, flushed to disk and renamed: atomic on POSIX). A crash mid-save leaves only a
+    ``.partial`` folder and the previous checkpoint still named as latest; older checkpoints are pruned only after a
+    newer one is published. Saves happen after an optimizer step: every ``every_n_steps``, once ``every_n_minutes``
+    have passed since the last one (rank 0's clock decides for all), and at the end of training.
+
+    With a strategy that saves asynchronously (``MeshStrategy(async_save=True)``) the step waits only for the copy
+    to host memory; rank 0 publishes the checkpoint at the first step boundary after its write completed, and every
+    rank waits for its own write before the next save and at the end.
 
     Args:
         dirpath: The run's checkpoint folder.
@@ -148,8 +172,10 @@ class RunCheckpoints(pl.Callback):
         self.dirpath = Path(dirpath)
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
         self.last_path: Path | None = None
+        self.blocked_s: list[float] = []  #: how long each save held the training loop
         self._last_step = -1
         self._last_time = time.monotonic()
+        self._pending: tuple[Any, Path, Path] | None = None  # (future, partial folder, final folder)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
@@ -158,6 +184,8 @@ class RunCheckpoints(pl.Callback):
         step = trainer.global_step
         if step == self._last_step:
             return  # a gradient-accumulation micro batch: no optimizer step yet
+        if self._pending is not None and trainer.is_global_zero and self._pending[0].done():
+            self._publish(trainer)
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
             self.save(trainer)
         elif self.every_n_minutes is not None:
@@ -168,9 +196,12 @@ class RunCheckpoints(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._last_step:
             self.save(trainer)
+        self.wait(trainer)
 
     def save(self, trainer: pl.Trainer) -> Path:
         """Write, publish and prune; every rank calls it (the save is collective)."""
+        self.wait(trainer)  # one write in flight at a time
+        started = time.monotonic()
         step = trainer.global_step
         final = self.dirpath / f"step-{step:08d}"
         partial = self.dirpath / f".step-{step:08d}.partial"
@@ -180,18 +211,71 @@ class RunCheckpoints(pl.Callback):
         trainer.strategy.barrier()
         with heartbeat.busy(step):  # a save may take minutes: the launcher must not take it for a hang
             trainer.save_checkpoint(partial)
+        future = getattr(trainer.strategy, "pending_save", None)
+        if future is not None:
+            trainer.strategy.pending_save = None
+            self._pending = (future, partial, final)
+        else:
             trainer.strategy.barrier()  # every rank's files are written
+            if trainer.is_global_zero:
+                self._publish_folder(partial, final)
+            trainer.strategy.barrier()
+            self.last_path = final
+        self._last_step, self._last_time = step, time.monotonic()
+        self.blocked_s.append(self._last_time - started)
+        return final
+
+    def wait(self, trainer: pl.Trainer) -> None:
+        """Wait for the write in flight (every rank, its own), then publish it."""
+        if self._pending is None:
+            return
+        with heartbeat.busy(trainer.global_step):
+            self._pending[0].result()  # raises what the write raised
+            trainer.strategy.barrier()
         if trainer.is_global_zero:
+            self._publish(trainer)
+        self.last_path, self._pending = self._pending[2], None
+        trainer.strategy.barrier()
+
+    def _publish(self, trainer: pl.Trainer) -> None:
+        future, partial, final = self._pending
+        future.result()
+        self._publish_folder(partial, final)
+        self._pending = (_DONE, partial, final)  # the other ranks still wait for their own writes in wait()
+
+    def _publish_folder(self, partial: Path, final: Path) -> None:
+        if partial.exists():  # not yet published
             _remove(final)
             partial.rename(final)
             pointer = self.dirpath / f".{LATEST}.tmp"
-            pointer.write_text(final.name + "\n")
+            with pointer.open("w") as file:
+                file.write(final.name + "\n")
+                file.flush()
+                os.fsync(file.fileno())  # durable before it names the checkpoint
             pointer.replace(self.dirpath / LATEST)
+            directory = os.open(self.dirpath, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the renames too
+            finally:
+                os.close(directory)
             for old in complete_checkpoints(self.dirpath)[: -self.keep_last]:
                 _remove(old)
-        trainer.strategy.barrier()
-        self.last_path, self._last_step, self._last_time = final, step, time.monotonic()
-        return final
+        self.last_path = final
+
+
+class _Done:
+    """A finished future."""
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+    @staticmethod
+    def result() -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 def complete_checkpoints(dirpath: Path) -> list[Path]:

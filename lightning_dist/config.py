@@ -146,6 +146,9 @@ class CheckpointConfig:
     """Save once this much wall time has passed since the last save; None = not by time."""
     keep_last: int = 2
     """Published checkpoints kept (the newest); older ones are removed after a newer one is complete."""
+    async_save: bool = False
+    """Copy the state to host memory and write it in the background (DCP async_save); the step waits for the copy
+    only. Mesh layouts (not parallelism=ddp)."""
 
 
 @dataclass

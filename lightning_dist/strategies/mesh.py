@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
-from lightning_dist import _compat, checkpoint
+from lightning_dist import _compat
+from lightning_dist import checkpoint as checkpoint_io
 from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline
 from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
@@ -82,6 +83,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             steps on the CPU); needs ``dp_shard`` or ``dp_replicate`` > 1.
         on_nonfinite: A step whose gradient norm is NaN / Inf: ``stop`` the run, or ``skip`` the update (see
             :mod:`lightning_dist.strategies.guard`).
+        async_save: Checkpoints are copied to host memory and written in the background (DCP ``async_save``);
+            ``pending_save`` is the write in flight (see :class:`~lightning_dist.checkpoint.RunCheckpoints`).
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
     """
@@ -106,6 +109,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         compile: bool = False,
         cpu_offload: bool = False,
         on_nonfinite: str = "stop",
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
@@ -115,6 +119,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         self.compile, self.cpu_offload = compile, cpu_offload
         check_nonfinite_action(on_nonfinite)
         self.on_nonfinite = on_nonfinite
+        self.async_save, self.pending_save = async_save, None
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
         if parallel_dims is not None:
@@ -285,7 +290,13 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        return checkpoint.optimizer_state(self.model, optimizer)
+        return checkpoint_io.optimizer_state(self.model, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self.async_save:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.pending_save = checkpoint_io.save_async(self, checkpoint, Path(self.broadcast(filepath)))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -298,7 +309,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only=weights_only)  # a full (single-file) checkpoint
         strict = self.lightning_module.strict_loading
-        return checkpoint.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+        return checkpoint_io.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
 
     # ------------------------------------------------------------------------------------------------- training
     @contextmanager

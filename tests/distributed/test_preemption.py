@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import FAST, losses, run_app
 
 from lightning_dist.checkpoint import latest_checkpoint
@@ -42,8 +43,13 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
-def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(tmp_path: Path) -> None:
-    whole = run_app(RUN, tmp_path / "whole")
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run."""
+    return run_app(RUN, tmp_path_factory.mktemp("whole"))
+
+
+def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     temporary = set(Path(tempfile.gettempdir()).glob("lightning-dist-*"))
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, f"output_dir={run_dir}"]
@@ -86,22 +92,32 @@ def _ranks(pid: int) -> list[int]:
     return sorted(rank for child in _children(pid) for rank in _children(child))
 
 
-def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
-    whole = run_app(RUN, tmp_path / "whole")
-    run_dir = tmp_path / "run"
+def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole: dict, tmp_path: Path) -> None:
+    """SIGKILL to a rank while DCP writes a checkpoint (its shard files appear, its ``.metadata`` not yet): that
+    checkpoint is never published, and ``max_restarts=1`` continues from the one before with the uninterrupted curve."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, "trainer.max_restarts=1"]
     job = subprocess.Popen(
         [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 240
-    while latest_checkpoint(run_dir / "checkpoints") is None:
+    while latest_checkpoint(checkpoints) is None:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
-        time.sleep(0.2)
+        time.sleep(0.05)
     victim = _ranks(job.pid)[-1]
-    os.kill(victim, signal.SIGKILL)
+    while True:  # the next save's shard files appear
+        assert job.poll() is None and time.monotonic() < deadline, "no save was caught midway"
+        writing = [p for p in checkpoints.glob(".step-*.partial") if any(p.glob("*.distcp"))]
+        if writing and not (writing[0] / ".metadata").exists():
+            os.kill(victim, signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    killed_step = int(writing[0].name.split("-")[1].split(".")[0])
     _, stderr = job.communicate(timeout=240)
     assert job.returncode == 0, stderr[-2000:]
     assert "restart 1/1: rank" in stderr and "was killed by signal SIGKILL" in stderr, stderr[-2000:]
+    resumed_from = int(re.search(r"restart 1/1: .*; from .*step-(\d+)", stderr).group(1))
+    assert resumed_from < killed_step, (resumed_from, killed_step)  # the interrupted save was not published
     assert "restart 1/1" in (run_dir / "restarts.log").read_text()
     with (run_dir / "csv" / "metrics.csv").open() as file:
         rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
@@ -137,3 +153,20 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> N
     assert re.search(r"^error: rank \d: hung: no progress for \d+ s after step \d+ \(allowed 5 s", stderr, re.M), stderr
     # The bound: the allowance, the launcher's 1 s poll, and the time to notice and stop (generous for a busy CI).
     assert time.monotonic() - stopped_at < 5 + 30
+
+
+def test_sigkill_to_the_main_process_leaves_no_rank_behind(tmp_path: Path) -> None:
+    """The main process cannot forward SIGKILL: each rank notices its launcher is gone (checked every second)."""
+    overrides = [*RUN, "trainer.max_steps=100000", f"output_dir={tmp_path}", "trainer.enable_checkpointing=false"]
+    job = subprocess.Popen([sys.executable, "-m", "lightning_dist.train", *overrides], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while len(ranks := _ranks(job.pid)) < 2 or not (tmp_path / "csv" / "metrics.csv").exists():  # training
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    everything = _descendants(job.pid)
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    killed = time.monotonic()
+    while [pid for pid in everything if _alive(pid)] and time.monotonic() - killed < 30:
+        time.sleep(0.2)
+    assert not [pid for pid in everything if _alive(pid)], f"ranks {ranks} outlived their launcher by 30 s"

@@ -18,9 +18,10 @@ SAVING = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=3", "ch
 
 
 def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Path) -> None:
+    """Written in the background (``async_save``): each is published only after its write, and holds its step."""
     whole = run_app([*FAST, *LAYOUT], tmp_path / "whole")  # 10 steps uninterrupted
     run_dir = tmp_path / "run"
-    first = run_app([*FAST, *LAYOUT, *SAVING, "trainer.max_steps=7"], run_dir)
+    first = run_app([*FAST, *LAYOUT, *SAVING, "trainer.max_steps=7", "checkpoint.async_save=true"], run_dir)
     # Saved at steps 3 and 6 and at the end (7); the newest two are kept, "latest" names the last.
     names = [p.name for p in complete_checkpoints(run_dir / "checkpoints")]
     assert names == ["step-00000006", "step-00000007"]
