@@ -123,7 +123,34 @@ class BeforeLaunchHook:
 
 def setup_distributed(strategy: Any) -> None:
     """``ModelParallelStrategy._setup_distributed`` (private): init the process group, set ranks and the device."""
+    init_after_torchrun_restart(strategy)
     strategy._setup_distributed()
+
+
+def init_after_torchrun_restart(strategy: Any) -> None:
+    """After a torchrun restart, init the process group on a store prefixed by the attempt (Lightning then skips it).
+
+    torchrun's agent keeps one TCPStore for every attempt (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.13's
+    ``env://`` no longer prefixes keys by attempt; a restarted rank can read the dead attempt's gloo addresses and
+    fail to connect ("Connection refused", seen in one start of three here).
+    """
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=10)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend=strategy._get_process_group_backend(),
+        store=dist.PrefixStore(f"/lightning_dist/attempt_{attempt}", client),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:

@@ -170,6 +170,7 @@ def _check_run(cfg: TrainConfig) -> None:
         raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
     if cfg.ckpt_path == "last":
         cfg.resume, cfg.ckpt_path = "auto", None
+    _continue_after_external_restart(cfg)
     if cfg.resume is not None:
         if cfg.ckpt_path is not None:
             raise ValueError(f"resume={cfg.resume} and ckpt_path={cfg.ckpt_path}: set only one of them.")
@@ -181,6 +182,21 @@ def _check_run(cfg: TrainConfig) -> None:
         check_loadable(Path(cfg.ckpt_path))
     elif cfg.init_from is not None:
         _check_init_from(cfg)
+
+
+def _continue_after_external_restart(cfg: TrainConfig) -> None:
+    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint."""
+    from lightning_dist.checkpoint import latest_checkpoint
+    from lightning_dist.cluster import restart_count
+
+    restarts = restart_count()
+    if restarts == 0 or cfg.resume is not None or cfg.ckpt_path is not None or cfg.output_dir is None:
+        return
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    if found is not None:
+        cfg.ckpt_path = str(found)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
 
 
 def _check_init_from(cfg: TrainConfig) -> None:

@@ -248,6 +248,10 @@ def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
 
 def register_configs() -> None:
     """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
+    from lightning_dist.cluster import run_dir
+
+    if not OmegaConf.has_resolver("ld_run_dir"):  # hydra.run.dir: one folder for every rank, node and restart
+        OmegaConf.register_new_resolver("ld_run_dir", run_dir, use_cache=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     # The built-in model and data options extend these (their YAML starts with `defaults: [<group>_schema]`), so

@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dist import heartbeat
+from lightning_dist import cluster, heartbeat
 from lightning_dist._compat import run_atexit_handlers
 
 #: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
@@ -43,7 +43,6 @@ SHUTDOWN_GRACE_S = 300.0
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.app"]
 
 #: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
-_EXTERNAL_LAUNCH_VARS = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
 
 
 class RankFailedError(RuntimeError):
@@ -57,8 +56,11 @@ class RankFailedError(RuntimeError):
 
 
 def launched_externally() -> bool:
-    """True when this process is already one rank of a launched job (ours, torchrun or SLURM)."""
-    return any(var in os.environ for var in _EXTERNAL_LAUNCH_VARS)
+    """True when this process is already one rank of a launched job (ours, torchrun or SLURM's srun).
+
+    Only a launcher's full set of variables counts (see :func:`lightning_dist.cluster.launcher`).
+    """
+    return cluster.launcher() is not None
 
 
 def free_port() -> int:
@@ -98,7 +100,7 @@ def launch(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
-        "LIGHTNING_DIST_LAUNCHER_PID": str(os.getpid()),
+        cluster.OURS_ENV: str(os.getpid()),
     }
     with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
         results = Path(tmp)
@@ -238,7 +240,7 @@ def _run_rank(
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
-    _exit_with_launcher(int(env["LIGHTNING_DIST_LAUNCHER_PID"]))
+    _exit_with_launcher(int(env[cluster.OURS_ENV]))
     import torch
 
     torch.set_num_threads(threads)

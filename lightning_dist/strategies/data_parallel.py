@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_dist import _compat
 from lightning_dist.parallel.clip import global_grad_norm
 from lightning_dist.strategies.guard import allow_step, check_action
 from lightning_dist.strategies.loaders import LoaderOrderMixin
@@ -25,6 +26,11 @@ class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
         super().__init__(*args, **kwargs)
         check_action(on_nonfinite)
         self.on_nonfinite = on_nonfinite
+
+    @override
+    def setup_environment(self) -> None:
+        _compat.init_after_torchrun_restart(self)
+        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -170,3 +170,24 @@ def test_sigkill_to_the_main_process_leaves_no_rank_behind(tmp_path: Path) -> No
     while [pid for pid in everything if _alive(pid)] and time.monotonic() - killed < 30:
         time.sleep(0.2)
     assert not [pid for pid in everything if _alive(pid)], f"ranks {ranks} outlived their launcher by 30 s"
+
+
+def test_torchrun_max_restarts_continues_from_the_newest_checkpoint(whole: dict, tmp_path: Path) -> None:
+    """Under torchrun the app does not restart itself: torchrun's ``--max-restarts`` does, and the restarted ranks
+    find the job's one run folder (named by the rendezvous id) and continue from its newest checkpoint."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    command = [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "lightning_dist.train"]
+    job = subprocess.Popen([*command, *RUN, *SAVING], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("outputs/torchrun-*/checkpoints/latest")):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
+        time.sleep(0.2)
+    os.kill(sorted(_children(job.pid))[-1], signal.SIGKILL)
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode == 0, stderr[-2000:]
+    assert re.search(r"restart 1: continuing from .*step-\d+", stderr), stderr[-2000:]
+    (run_dir,) = (tmp_path / "outputs").iterdir()  # one folder for both ranks and both starts
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    assert [int(row["step"]) for row in rows] == list(range(STEPS))
+    np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
