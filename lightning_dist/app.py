@@ -380,6 +380,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         "loss_floor": getattr(datamodule, "loss_floor", None),
         "history": history.records,
         "checkpoint": str(checkpoint.last_path) if checkpoint.last_path else None,
+        "checkpoint_blocked_s": checkpoint.blocked_s,
+        "checkpoint_written_s": checkpoint.written_s,
         "preempted": preemption.signal_name,
         "wandb_dir": finish_wandb(logger),
         "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,

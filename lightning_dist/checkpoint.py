@@ -173,6 +173,7 @@ class RunCheckpoints(pl.Callback):
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
         self.last_path: Path | None = None
         self.blocked_s: list[float] = []  #: how long each save held the training loop
+        self.written_s: list[float] = []  #: how long each save took until its files were complete (this rank's)
         self._last_step = -1
         self._last_time = time.monotonic()
         self._pending: tuple[Any, Path, Path] | None = None  # (future, partial folder, final folder)
@@ -214,9 +215,11 @@ class RunCheckpoints(pl.Callback):
         future = getattr(trainer.strategy, "pending_save", None)
         if future is not None:
             trainer.strategy.pending_save = None
+            future.add_done_callback(lambda _: self.written_s.append(time.monotonic() - started))
             self._pending = (future, partial, final)
         else:
             trainer.strategy.barrier()  # every rank's files are written
+            self.written_s.append(time.monotonic() - started)
             if trainer.is_global_zero:
                 self._publish_folder(partial, final)
             trainer.strategy.barrier()
