@@ -98,6 +98,10 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _rounded(values: list[float]) -> list[float]:
+    return [round(value, 2) for value in values]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ckpt-bench"))
@@ -112,7 +116,7 @@ def main() -> None:
         print(
             f"{'async' if asynchronous else 'sync ':5s}: checkpoint {gib:.2f} GiB, training blocked {blocked:.2f} s, "
             f"written in {written:.2f} s ({found['bytes'] / written / 1e6:.0f} MB/s) "
-            f"[per save: blocked {[round(x, 2) for x in found['blocked']]}, written {[round(x, 2) for x in found['written']]}]"
+            f"[per save: blocked {_rounded(found['blocked'])}, written {_rounded(found['written'])}]"
         )
     print(f"restart (kill -> first checkpoint after restart, default job): {restart_time(args.dir / 'restart'):.1f} s")
 
