@@ -1,4 +1,4 @@
-"""Export a checkpoint written by a pipeline, and start a tensor-parallel run from the exported HuggingFace folder."""
+"""Export a checkpoint written by pp2 x tp2, and start a tensor-parallel run from the exported HuggingFace folder."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ MODEL = ["model.n_layers=2", "model.n_kv_heads=2", "trainer.enable_checkpointing
 HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf", "model.config=tiny_llama"]
 
 
-def test_a_pipeline_checkpoint_exports_and_a_tensor_parallel_run_starts_from_it(tmp_path: Path) -> None:
+def test_a_pp2_x_tp2_checkpoint_exports_and_a_tensor_parallel_run_starts_from_it(tmp_path: Path) -> None:
     trained = run_app(
         [
             *FAST,
             *MODEL,
-            "parallelism=pp",
-            "cluster.devices=2",
+            "parallelism=3d",  # pp2 x tp2
+            "cluster.devices=4",
+            "parallelism.dp_shard=1",
             "trainer.max_steps=3",
             "trainer.enable_checkpointing=true",
         ],

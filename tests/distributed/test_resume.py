@@ -115,7 +115,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("written", "read"), [("pp2xtp2", "fsdp4"), ("fsdp2", "pp2-interleaved"), ("pp2xdp2", "one")], ids=str
+    ("written", "read"),
+    [("pp2xtp2", "fsdp4"), ("fsdp2", "pp2-interleaved"), ("one", "pp2xdp2"), ("pp2xdp2", "one")],
+    ids=str,
 )
 def test_a_checkpoint_resumes_under_another_layout(
     written: str, read: str, uninterrupted: dict, tmp_path: Path
