@@ -230,3 +230,22 @@ def update_dataloader(dataloader: Any, sampler: Any) -> Any:
     from lightning.pytorch.utilities.data import _update_dataloader
 
     return _update_dataloader(dataloader, sampler)
+
+
+# ----------------------------------------------------------------------------------------------------------- submitit
+def slurm_executor_anywhere(folder: Any) -> Any:
+    """A ``submitit.SlurmExecutor`` built where SLURM is absent (its ``__init__`` refuses without ``srun``), only to
+    render the sbatch script of a dry run; ``affinity`` is the classmethod that looks for ``srun``."""
+    import submitit
+
+    class _DryRun(submitit.SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    return _DryRun(folder)
+
+
+def sbatch_script(executor: Any) -> str:
+    """The sbatch script submitit would submit (``SlurmExecutor._make_submission_file_text``, private)."""
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")

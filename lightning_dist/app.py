@@ -54,13 +54,19 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     which the ranks are given as it is.
     """
     from lightning_dist.builders import check_model_and_data, resolve_micro_batch
+    from lightning_dist.slurm import should_submit
 
     par, cluster = cfg.parallelism, cfg.cluster
     _check_run(cfg)
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
     cluster.accelerator = _resolve_accelerator(cluster.accelerator)
-    _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    if cluster.launcher not in ("local", "slurm"):
+        raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
+    if should_submit(cfg):
+        _check_submission(cluster)  # the login node: its own hardware says nothing about the compute nodes
+    else:
+        _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
@@ -254,6 +260,25 @@ def _resolve_accelerator(accelerator: str) -> str:
     return accelerator
 
 
+def _check_submission(cluster: Any) -> None:
+    """A SLURM job's shape and options, on the login node before submitting."""
+    s = cluster.slurm
+    if cluster.devices < 1 or cluster.num_nodes < 1:
+        raise ValueError(f"cluster.devices={cluster.devices} and cluster.num_nodes={cluster.num_nodes} must be >= 1.")
+    if s.time_min < 1:
+        raise ValueError(f"cluster.slurm.time_min={s.time_min} must be >= 1 (minutes).")
+    if not 0 <= s.signal_delay_s < 60 * s.time_min:
+        raise ValueError(
+            f"cluster.slurm.signal_delay_s={s.signal_delay_s} must be >= 0 and less than the time limit "
+            f"({60 * s.time_min} s): it is how long before the limit the job is told to save."
+        )
+    if s.executor == "local" and (cluster.num_nodes > 1 or cluster.accelerator != "cpu"):
+        raise ValueError(
+            f"cluster.slurm.executor=local runs on this machine: it needs cluster.num_nodes=1 (got "
+            f"{cluster.num_nodes}) and cluster.accelerator=cpu (got {cluster.accelerator})."
+        )
+
+
 def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
     if devices < 1:
         raise ValueError(f"cluster.devices={devices} must be >= 1.")
@@ -312,6 +337,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
 
     from lightning_dist.builders import build_datamodule, build_module
     from lightning_dist.checkpoint import InitWeights, RunCheckpoints
+    from lightning_dist.cluster import SharedFolderCheck, lightning_environment
     from lightning_dist.data import TokenDataModule
     from lightning_dist.heartbeat import Heartbeat
     from lightning_dist.loggers import build_logger, finish_wandb
@@ -346,7 +372,10 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         all_callbacks.append(checkpoint)
     if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
+    if cfg.cluster.num_nodes > 1:
+        all_callbacks.append(SharedFolderCheck(out_dir))
     trainer = pl.Trainer(
+        plugins=lightning_environment(),
         accelerator=cfg.cluster.accelerator,
         devices=cfg.cluster.devices,
         num_nodes=cfg.cluster.num_nodes,

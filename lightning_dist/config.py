@@ -57,8 +57,44 @@ class ParallelismConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """``cluster.launcher=slurm``: the job submitted with submitit (``pip install 'lightning-dist[slurm]'``). One
+    task per device (``--ntasks-per-node = cluster.devices``), as Lightning's SLURM environment requires."""
+
+    partition: str | None = None
+    """sbatch --partition."""
+    account: str | None = None
+    """sbatch --account."""
+    qos: str | None = None
+    """sbatch --qos."""
+    constraint: str | None = None
+    """sbatch --constraint (e.g. h100)."""
+    time_min: int = 60
+    """Time limit in minutes (sbatch --time)."""
+    cpus_per_task: int | None = None
+    """sbatch --cpus-per-task; None = the cluster's default."""
+    mem_gb: int | None = None
+    """Memory per node in GB (sbatch --mem); None = the cluster's default."""
+    gpus_per_node: int | None = None
+    """sbatch --gpus-per-node (cluster=slurm: cluster.devices); None = none requested."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before srun (module load ..., source .venv/bin/activate)."""
+    signal_delay_s: int = 120
+    """A signal this long before the time limit (submitit: sbatch --signal=USR2@s): the job saves at the next step
+    boundary, stops and is requeued."""
+    requeue: bool = True
+    """Requeue the job after a preemption or time-limit signal; it continues from its checkpoint."""
+    additional: dict[str, Any] = field(default_factory=dict)
+    """Other sbatch options, e.g. {mail-type: END}."""
+    executor: str = "slurm"
+    """slurm, or local (submitit's local executor: the same job as processes on this machine, for testing)."""
+    dry_run: bool = False
+    """Print the sbatch script and the layout per node; submit nothing."""
+
+
+@dataclass
 class ClusterConfig:
-    """The hardware the job runs on."""
+    """The hardware the job runs on, and who starts its processes."""
 
     accelerator: str = "cpu"
     """Lightning accelerator: cpu, gpu or auto (gpu where CUDA devices are visible, else cpu)."""
@@ -72,6 +108,10 @@ class ClusterConfig:
     """torch.distributed backend; None = gloo on CPU, nccl on CUDA."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None = looked up from the GPU name (omitted on CPU)."""
+    launcher: str = "local"
+    """local (the app starts cluster.devices processes; several nodes: torchrun or srun per node) or slurm (the app
+    submits the job: cluster.slurm)."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass

@@ -118,7 +118,7 @@ def launch(
 
 @contextmanager
 def _forward_signals(processes: list) -> Iterator[None]:
-    """SIGTERM / SIGINT / SIGUSR1 to the launcher go to every rank as SIGTERM: they stop at the next step boundary
+    """SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 to the launcher go to every rank as SIGTERM: they stop at the next step boundary
     and save (see :mod:`lightning_dist.preemption`). A second signal, or ranks still running ``SHUTDOWN_GRACE_S``
     after the first, are killed: no rank outlives the job."""
     if threading.current_thread() is not threading.main_thread():
@@ -137,7 +137,7 @@ def _forward_signals(processes: list) -> Iterator[None]:
             deadline.daemon = True
             deadline.start()
 
-    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
     previous = {signum: signal.signal(signum, forward) for signum in signums}
     try:
         yield

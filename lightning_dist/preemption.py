@@ -1,6 +1,7 @@
 """Preemption and shutdown at a step boundary: a signal only sets a flag, a collective decides (Megatron's way).
 
-SIGTERM (a scheduler's preemption, ``kill``), SIGUSR1 (SLURM's ``--signal=USR1@<s>``) and SIGINT (Ctrl-C) set a flag
+SIGTERM (a scheduler's preemption, ``kill``), SIGUSR1 / SIGUSR2 (SLURM's ``--signal=USR1@<s>``; submitit asks for
+USR2) and SIGINT (Ctrl-C) set a flag
 on the rank that got it. After every optimizer step the ranks take the maximum of their flags (one tiny all-reduce),
 so they all stop after the same step; the run's checkpoint callback then saves that step, and the job exits with
 :data:`PREEMPTED_EXIT_CODE`. A second Ctrl-C on a rank raises ``KeyboardInterrupt`` at once (no save).
@@ -17,7 +18,7 @@ import torch
 from lightning_dist.launch import PREEMPTED_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preemption"]
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class Preemption(pl.Callback):

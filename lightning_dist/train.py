@@ -37,6 +37,9 @@ def main() -> None:
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
+    from lightning_dist.slurm import adopt_submitit_environment
+
+    adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
     output_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
     try:
         train_cfg = to_train_config(cfg)
@@ -60,14 +63,24 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, run it on ``cluster.devices`` local ranks (or in this rank under torchrun/SLURM), report."""
+    from lightning_dist import slurm
     from lightning_dist.app import check_config, fit
+    from lightning_dist.cluster import preflight
 
     dims = check_config(cfg)
     out_dir = Path(cfg.output_dir)
     _check_writable(out_dir)
+    if slurm.should_submit(cfg):  # on the login node
+        result = slurm.submit(cfg, f"{cfg.parallelism.strategy}: {dims.describe()}")
+        if "steps" in result:  # submitit's local executor ran it here
+            _print_summary(result)
+        return result
     start = time.perf_counter()
-    if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts)
+    if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
+        preflight(cfg, dims)
         result = fit(cfg, dims=dims)
+        if result.get("preempted") and cfg.cluster.slurm.requeue:
+            slurm.requeue()
     else:
         result = _launch_with_restarts(cfg, dims, out_dir)
     result["wall_time_s"] = time.perf_counter() - start

@@ -1,0 +1,131 @@
+"""SLURM: submit the training job with submitit (the library Hydra's submitit launcher uses), requeue it after a
+preemption, and print what would be submitted.
+
+``lightning-dist-train cluster=slurm cluster.num_nodes=2 ...`` on a login node submits one job of ``num_nodes`` x
+``devices`` tasks (one per device: ``--ntasks-per-node`` = ``cluster.devices``, as Lightning's SLURM environment
+requires). Each task runs :func:`lightning_dist.train.run` as one rank; all share the run folder decided here. The
+job is sent ``SIGUSR2`` (submitit's ``--signal``) ``signal_delay_s`` before its time limit (and on preemption where the cluster does so): the
+ranks stop after the same step and save (:mod:`lightning_dist.preemption`), rank 0 requeues the job, and the requeued
+job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with the same W&B run.
+
+``-m`` sweeps with ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``: Hydra's submitit launcher with
+these fields) become job arrays; each array task's ranks share its sweep folder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_dist import _compat, cluster
+from lightning_dist.config import TrainConfig
+
+
+def should_submit(cfg: TrainConfig) -> bool:
+    """``cluster.launcher=slurm`` on a login node: not already a rank, nor inside a submitit job."""
+    return cfg.cluster.launcher == "slurm" and cluster.launcher() is None and "SUBMITIT_EXECUTOR" not in os.environ
+
+
+def submit(cfg: TrainConfig, layout: str) -> dict[str, Any]:
+    """Submit ``cfg`` (or print it, with ``cluster.slurm.dry_run``); with the ``local`` executor, run it and wait.
+
+    Returns:
+        ``{"output_dir", "job_id", "layout"}``, and the run's summary when it ran here.
+    """
+    out_dir = Path(cfg.output_dir)
+    executor = build_executor(cfg, out_dir / ".submitit")
+    if cfg.cluster.slurm.dry_run:
+        print(_compat.sbatch_script(executor))
+        print(describe(cfg, layout))
+        return {"output_dir": str(out_dir), "job_id": None, "layout": layout, "dry_run": True}
+    job = executor.submit(Job(cfg))
+    print(f"submitted job {job.job_id}: {describe(cfg, layout)}; logs in {out_dir / '.submitit'}", flush=True)
+    result = {"output_dir": str(out_dir), "job_id": job.job_id, "layout": layout}
+    if cfg.cluster.slurm.executor == "local":
+        result.update(job.results()[0])
+    return result
+
+
+def build_executor(cfg: TrainConfig, folder: Path) -> Any:
+    """A submitit executor for ``cfg.cluster`` (``SlurmExecutor``, or ``LocalExecutor`` for ``executor=local``).
+
+    Raises:
+        ValueError: submitit is not installed, or ``executor`` is unknown.
+    """
+    try:
+        import submitit
+    except ImportError:
+        raise ValueError("cluster.launcher=slurm needs submitit: pip install 'lightning-dist[slurm]'.") from None
+    c, s = cfg.cluster, cfg.cluster.slurm
+    if s.executor == "local":
+        executor = submitit.LocalExecutor(folder)
+        executor.update_parameters(timeout_min=s.time_min, nodes=c.num_nodes, tasks_per_node=c.devices)
+        return executor
+    if s.executor != "slurm":
+        raise ValueError(f"cluster.slurm.executor={s.executor!r} is unknown; use slurm, or local (this machine).")
+    executor = submitit.SlurmExecutor(folder) if not s.dry_run else _compat.slurm_executor_anywhere(folder)
+    params: dict[str, Any] = {
+        "job_name": "lightning-dist",
+        "nodes": c.num_nodes,
+        "ntasks_per_node": c.devices,
+        "time": s.time_min,
+        "signal_delay_s": s.signal_delay_s,
+        "setup": list(s.setup),
+        "additional_parameters": dict(s.additional),
+    }
+    optional = {"gpus_per_node": s.gpus_per_node, "cpus_per_task": s.cpus_per_task, "partition": s.partition,
+                "account": s.account, "qos": s.qos, "constraint": s.constraint,
+                "mem": f"{s.mem_gb}GB" if s.mem_gb else None}  # fmt: skip
+    params.update({key: value for key, value in optional.items() if value is not None})
+    executor.update_parameters(**params)
+    return executor
+
+
+def describe(cfg: TrainConfig, layout: str) -> str:
+    """The job's shape and which ranks each node holds, e.g. ``2 nodes x 8 tasks; node 0: ranks 0-7; ...``."""
+    c = cfg.cluster
+    nodes = "; ".join(f"node {n}: ranks {n * c.devices}-{(n + 1) * c.devices - 1}" for n in range(c.num_nodes))
+    return f"{c.num_nodes} node(s) x {c.devices} tasks, {layout}; {nodes}; run folder {cfg.output_dir}"
+
+
+class Job:
+    """What each SLURM task runs: one rank of the training job (picklable: submitit sends it to the nodes)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self) -> dict[str, Any]:
+        from lightning_dist.train import run
+
+        adopt_submitit_environment()
+        result = run(self.cfg)
+        if result.get("preempted") and self.cfg.cluster.slurm.requeue:
+            requeue()
+        return {k: v for k, v in result.items() if k != "history"}
+
+
+def adopt_submitit_environment() -> None:
+    """In a task of a several-task submitit job, export torch's rank variables (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ...) from submitit's job environment: SLURM's own variables under SLURM, submitit's under its
+    local executor. Nothing otherwise."""
+    if "SUBMITIT_EXECUTOR" not in os.environ or "RANK" in os.environ:
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def requeue() -> None:
+    """Put this SLURM job (or array task) back in the queue; global rank 0 only, once the checkpoint is written."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0" or cluster.launcher() != "slurm":
+        return
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}"
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    line = f"requeued SLURM job {job}" if done.returncode == 0 else f"scontrol requeue {job} failed: {done.stderr}"
+    print(line.strip(), file=sys.stderr, flush=True)
