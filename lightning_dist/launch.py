@@ -118,9 +118,9 @@ def launch(
 
 @contextmanager
 def _forward_signals(processes: list) -> Iterator[None]:
-    """SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 to the launcher go to every rank as SIGTERM: they stop at the next step boundary
-    and save (see :mod:`lightning_dist.preemption`). A second signal, or ranks still running ``SHUTDOWN_GRACE_S``
-    after the first, are killed: no rank outlives the job."""
+    """SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 to the launcher go to every rank as SIGTERM: they stop at the next step
+    boundary and save (see :mod:`lightning_dist.preemption`). A second signal, or ranks still running
+    ``SHUTDOWN_GRACE_S`` after the first, are killed: no rank outlives the job."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return

@@ -3,10 +3,12 @@ preemption, and print what would be submitted.
 
 ``lightning-dist-train cluster=slurm cluster.num_nodes=2 ...`` on a login node submits one job of ``num_nodes`` x
 ``devices`` tasks (one per device: ``--ntasks-per-node`` = ``cluster.devices``, as Lightning's SLURM environment
-requires). Each task runs :func:`lightning_dist.train.run` as one rank; all share the run folder decided here. The
-job is sent ``SIGUSR2`` (submitit's ``--signal``) ``signal_delay_s`` before its time limit (and on preemption where the cluster does so): the
-ranks stop after the same step and save (:mod:`lightning_dist.preemption`), rank 0 requeues the job, and the requeued
-job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with the same W&B run.
+requires). Each task runs :func:`lightning_dist.train.run` as one rank; all share the run folder decided here.
+
+The job is sent ``SIGUSR2`` (submitit's ``--signal``) ``signal_delay_s`` before its time limit, and SIGTERM when
+preempted: the ranks stop after the same step and save (:mod:`lightning_dist.preemption`), rank 0 requeues the job,
+and the requeued job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with the same
+W&B run.
 
 ``-m`` sweeps with ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``: Hydra's submitit launcher with
 these fields) become job arrays; each array task's ranks share its sweep folder.
