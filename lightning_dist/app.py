@@ -191,17 +191,26 @@ def _check_run(cfg: TrainConfig) -> None:
 
 
 def _continue_after_external_restart(cfg: TrainConfig) -> None:
-    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint."""
-    from lightning_dist.checkpoint import latest_checkpoint
-    from lightning_dist.cluster import restart_count
+    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint.
 
-    restarts = restart_count()
-    if restarts == 0 or cfg.resume is not None or cfg.ckpt_path is not None or cfg.output_dir is None:
+    The first start of a torchrun / srun job whose folder (named by the rendezvous id or job id) already holds
+    checkpoints is refused: continuing or overwriting another run must be asked for.
+    """
+    from lightning_dist.checkpoint import latest_checkpoint
+    from lightning_dist.cluster import launcher, restart_count
+
+    if launcher() not in ("torchrun", "slurm") or cfg.resume is not None or cfg.ckpt_path is not None:
         return
-    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if cfg.output_dir else None
+    restarts = restart_count()
+    if found is not None and restarts == 0:
+        raise ValueError(
+            f"output_dir={cfg.output_dir} already holds a run's checkpoints (newest {found.name}); continue it with "
+            "resume=auto, or start a new run in a new folder (another --rdzv-id, or output_dir=...)."
+        )
     if found is not None:
         cfg.ckpt_path = str(found)
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
 
 

@@ -165,13 +165,20 @@ def lightning_environment() -> list[Any]:
 
     Under SLURM, Lightning's own SIGUSR1 requeue is off: :mod:`lightning_dist.preemption` saves at a step boundary
     and :func:`lightning_dist.slurm.requeue` requeues. In our own ranks, a SLURM variable left in the shell must
-    not make Lightning read its ranks from SLURM. torchrun's environment Lightning detects itself.
+    not make Lightning read its ranks from SLURM; nor under torchrun started by srun (one agent per node), where
+    Lightning would look at SLURM's variables first.
     """
-    from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
+    from lightning.pytorch.plugins.environments import (
+        LightningEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
 
     kind = launcher()
     if kind == "slurm":
         return [SLURMEnvironment(auto_requeue=False)]
+    if kind == "torchrun":
+        return [TorchElasticEnvironment()]
     if kind == "ours":
         return [LightningEnvironment()]
     return []

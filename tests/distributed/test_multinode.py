@@ -1,0 +1,70 @@
+"""Two torchrun agents on this machine stand in for two nodes of 2 processes each (c10d rendezvous, 4 ranks): each
+layout gives the one-process loss curve, with tp inside a node and dp / pp across, in one run folder for the job."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import FAST, losses, run_app
+
+from lightning_dist.launch import free_port
+
+RUN = [*FAST, "logger=csv", "trainer.max_steps=6", "model.n_layers=2"]
+LAYOUTS = {
+    "ddp": ["parallelism=ddp"],
+    "pp2xtp2": ["parallelism=3d", "parallelism.dp_shard=1"],  # a stage per node, tp inside it
+}
+
+
+def torchrun_nodes(overrides: list[str], cwd: Path, nodes: int = 2, per_node: int = 2) -> list[subprocess.Popen]:
+    """``nodes`` torchrun agents of ``per_node`` processes, the second started a moment after the first."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    port = free_port()
+    command = [torchrun, f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job7", "-m", "lightning_dist.train"]  # fmt: skip
+    agents = []
+    for _ in range(nodes):
+        agents.append(
+            subprocess.Popen([*command, *overrides], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+        time.sleep(1.0)  # a node that starts later must still join the same job and run folder
+    return agents
+
+
+def finish(agents: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    outputs = [agent.communicate(timeout=timeout) for agent in agents]
+    for agent, (_, stderr) in zip(agents, outputs):
+        assert agent.returncode == 0, stderr[-3000:]
+    return [stderr for _, stderr in outputs]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return losses(run_app([*RUN, "parallelism=fsdp", "cluster.devices=1"], tmp_path_factory.mktemp("one")))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_nodes_give_the_one_process_curve(layout: str, one_process: list[float], tmp_path: Path) -> None:
+    finish(torchrun_nodes([*RUN, *LAYOUTS[layout], "cluster.num_nodes=2", "cluster.devices=2"], tmp_path))
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-job7"]  # one folder for both nodes
+    with (tmp_path / "outputs" / "torchrun-job7" / "csv" / "metrics.csv").open() as file:
+        curve = [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    np.testing.assert_allclose(curve, one_process, rtol=1e-5)
+
+
+def test_a_node_with_the_wrong_process_count_stops_in_one_line(tmp_path: Path) -> None:
+    """Preflight on every node, before the rendezvous: no hang waiting for ranks that will never come."""
+    agents = torchrun_nodes([*RUN, "cluster.devices=4"], tmp_path, nodes=1)  # torchrun --nproc-per-node=2
+    for agent in agents:
+        _, stderr = agent.communicate(timeout=120)
+        assert agent.returncode != 0
+        assert (
+            "error: torchrun started 2 processes on this node (--nproc-per-node=2) but cluster.devices=4; set "
+            "cluster.devices=2, or --nproc-per-node=4." in stderr
+        ), stderr[-3000:]

@@ -1,0 +1,217 @@
+"""Who launched a process (only a real launcher's variables count), the job's run folder, SLURM requeue and the
+preflight checks a torchrun / srun rank makes alone, each a one-line error."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+from helpers import FAST, compose_config
+
+from lightning_dist import cluster, slurm
+from lightning_dist.app import build_parallel_dims
+
+#: What srun sets in task 3 of a 2-node x 2-task job step.
+SRUN = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "lightning-dist",
+    "SLURM_NTASKS": "4",
+    "SLURM_NNODES": "2",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_NODELIST": "gpu[17-18]",
+    "SLURM_STEP_NODELIST": "gpu[17-18]",
+}
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_an_srun_task_is_detected_by_us_and_by_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    assert cluster.launcher(SRUN) == "slurm"
+    assert cluster.run_dir("outputs", SRUN) == "outputs/slurm-4242"
+    assert cluster.run_dir("outputs", {**SRUN, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}) == (
+        "outputs/slurm-4240_2"
+    )
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    for name, value in SRUN.items():
+        monkeypatch.setenv(name, value)
+    environment = SLURMEnvironment(auto_requeue=False)
+    assert SLURMEnvironment.detect()
+    assert (environment.world_size(), environment.global_rank(), environment.local_rank()) == (4, 3, 1)
+    assert (environment.node_rank(), environment.main_address) == (1, "gpu17")
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SLURM_PROCID": "0"},  # left over in a shell
+        {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},  # the sbatch script itself, not srun
+        {**SRUN, "SLURM_NTASKS": "1"},  # srun of one task: the app starts its own ranks
+        {"LOCAL_RANK": "0"},  # not torchrun without its run id and world size
+    ],
+    ids=["stray-procid", "sbatch-script", "one-task", "stray-local-rank"],
+)
+def test_a_stray_variable_is_not_a_launcher(env: dict[str, str]) -> None:
+    assert cluster.launcher(env) is None
+
+
+def test_torchrun_and_restarts() -> None:
+    assert cluster.launcher(TORCHRUN) == "torchrun"
+    assert cluster.run_dir("outputs", TORCHRUN) == "outputs/torchrun-job7"
+    assert cluster.restart_count({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert cluster.restart_count({**SRUN, "SLURM_RESTART_COUNT": "1"}) == 1
+    assert cluster.restart_count({"SLURM_RESTART_COUNT": "1"}) == 0  # not a rank of a job
+
+
+def _preflight(overrides: list[str], env: dict[str, str]) -> None:
+    cfg = compose_config([*FAST, *overrides])
+    cluster.preflight(cfg, build_parallel_dims(cfg), env)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["cluster.devices=4"], {**TORCHRUN, "WORLD_SIZE": "2"},
+         r"^torchrun started 2 processes on this node \(--nproc-per-node=2\) but cluster.devices=4; set "
+         r"cluster.devices=2, or --nproc-per-node=4.$"),
+        (["cluster.num_nodes=2"], {**TORCHRUN, "WORLD_SIZE": "8"},
+         r"^torchrun started 8 processes in all but cluster.devices=2 x cluster.num_nodes=2 = 4; set "
+         r"cluster.num_nodes=4.$"),
+        (["cluster.devices=2", "cluster.num_nodes=2", "parallelism=tp_fsdp", "parallelism.tp=4"], SRUN,
+         r"^parallelism.tp=4 does not divide cluster.devices=2 \(per node\): a tensor-parallel group would span"),
+        (["cluster.num_nodes=2"], {**TORCHRUN, "MASTER_ADDR": "no-such-node.invalid"},
+         r"^MASTER_ADDR=no-such-node.invalid does not resolve on .*; give the first node's hostname"),
+    ],
+    ids=["processes-per-node", "world-size", "tp-across-nodes", "master-address"],
+)  # fmt: skip
+def test_preflight_failures_are_one_line(overrides: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _preflight(overrides, env)
+
+
+def test_a_busy_master_port_on_the_first_node_is_named() -> None:
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**SRUN, "SLURM_PROCID": "0", "SLURM_NODEID": "0", "MASTER_PORT": str(port)}
+        with pytest.raises(ValueError, match=rf"^MASTER_PORT={port} is already in use on .*; export another"):
+            _preflight(["cluster.num_nodes=2"], env)
+    _preflight(["cluster.num_nodes=2"], env)  # free again
+
+
+def test_rank_zero_requeues_the_job_or_array_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = tmp_path / "calls"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for name, value in {**SRUN, "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RANK", raising=False)
+    slurm.requeue()
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    slurm.requeue()
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    slurm.requeue()  # not rank 0: nothing
+    assert calls.read_text().splitlines() == ["requeue 4242", "requeue 4240_2"]
+
+
+HEADS = ["model.n_heads=8", "model.n_kv_heads=8"]
+
+
+def test_the_dry_run_prints_the_sbatch_script_of_a_two_node_job(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("submitit")
+    cfg = compose_config(
+        [*FAST, "cluster=slurm", "cluster.num_nodes=2", "parallelism=tp_fsdp", "parallelism.tp=8", *HEADS,
+         "cluster.slurm.partition=gpu", "cluster.slurm.account=proj7", "cluster.slurm.qos=high",
+         "cluster.slurm.constraint=h100", "cluster.slurm.time_min=240", "cluster.slurm.cpus_per_task=12",
+         "cluster.slurm.mem_gb=480", "cluster.slurm.setup=[module load cuda,source venv/bin/activate]",
+         "cluster.slurm.dry_run=true"],
+        tmp_path,
+    )  # fmt: skip
+    from lightning_dist.app import check_config
+
+    dims = check_config(cfg)  # on this GPU-less machine: a submission is not checked against local hardware
+    result = slurm.submit(cfg, f"tensor_parallel: {dims.describe()}")
+    assert result["dry_run"] and result["job_id"] is None
+    out = capsys.readouterr().out
+    options = dict(line.removeprefix("#SBATCH --").split("=", 1) for line in out.splitlines() if "#SBATCH" in line)
+    expected = {"nodes": "2", "ntasks-per-node": "8", "gpus-per-node": "8", "partition": "gpu", "account": "proj7",
+                "qos": "high", "constraint": "h100", "time": "240", "cpus-per-task": "12", "mem": "480GB",
+                "signal": "USR2@120", "job-name": "lightning-dist"}  # fmt: skip
+    assert {key: options.get(key) for key in expected} == expected
+    assert options["output"].startswith(str(tmp_path / ".submitit"))
+    lines = out.splitlines()
+    assert (
+        lines.index("module load cuda")
+        < lines.index("source venv/bin/activate")
+        < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    )
+    assert "-m submitit.core._submit" in out
+    assert "2 node(s) x 8 tasks, tensor_parallel: pp=1 dp_replicate=1 dp_shard=2 tp=8 (world 16)" in out
+    assert "node 0: ranks 0-7; node 1: ranks 8-15" in out
+    assert not (tmp_path / ".submitit").exists() or not list((tmp_path / ".submitit").glob("*.pkl"))  # nothing sent
+
+
+@pytest.mark.parametrize("recipe", ["llama_8b_slurm_2x8_h100", "llama_70b_slurm_16x8_h100"])
+def test_the_slurm_recipes_validate_and_keep_tensor_parallelism_inside_a_node(
+    recipe: str, tmp_path: Path, capsys
+) -> None:
+    """Every check the app makes before submitting passes on this GPU-less login node; the dry run prints the job."""
+    pytest.importorskip("submitit")
+    from lightning_dist.app import check_config
+
+    data = tmp_path / "tokens"
+    data.mkdir()
+    for split in ("train", "val"):
+        (data / f"{split}.bin").write_bytes(b"\0" * 4 * 300_000)  # uint32 token ids
+    cfg = compose_config([f"recipe={recipe}", f"data.path={data}", "cluster.slurm.dry_run=true"], tmp_path / "run")
+    dims = check_config(cfg)
+    cluster.check_tensor_parallel_placement(dims.tp, cfg.cluster.devices, cfg.cluster.num_nodes)
+    assert dims.world_size == 8 * cfg.cluster.num_nodes and dims.tp in (1, 8)
+    slurm.submit(cfg, dims.describe())
+    assert f"#SBATCH --nodes={cfg.cluster.num_nodes}" in capsys.readouterr().out
+
+
+def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path, monkeypatch) -> None:
+    from lightning_dist._compat import checkpoint_metadata_file
+    from lightning_dist.app import check_config
+
+    step = tmp_path / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / checkpoint_metadata_file()).write_bytes(b"")
+    for name, value in {**SRUN, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    overrides = [*FAST, "cluster.devices=2", "cluster.num_nodes=2"]
+    with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-00000004\); continue it"):
+        check_config(compose_config(overrides, tmp_path))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
+    cfg = compose_config(overrides, tmp_path)
+    check_config(cfg)
+    assert cfg.ckpt_path == str(step)
+
+
+def test_lightning_reads_ranks_from_the_launcher_that_started_us(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun under srun (one agent per node): Lightning would take SLURM's task ids for ranks."""
+    for name, value in {**SRUN, **TORCHRUN, "GROUP_RANK": "1", "MASTER_ADDR": "gpu17", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    (environment,) = cluster.lightning_environment()
+    assert (type(environment).__name__, environment.global_rank(), environment.local_rank()) == (
+        "TorchElasticEnvironment",
+        3,
+        1,
+    )
