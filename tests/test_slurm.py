@@ -15,8 +15,15 @@ pytest.importorskip("submitit")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 #: cluster=slurm, shaped for this machine: 2 CPU tasks on one "node", run by submitit's local executor.
-LOCAL_SLURM = ["cluster=slurm", "cluster.slurm.executor=local", "cluster.accelerator=cpu", "cluster.devices=2",
-               "cluster.precision=32-true", "cluster.process_group_backend=gloo", "cluster.slurm.gpus_per_node=null"]  # fmt: skip
+LOCAL_SLURM = [
+    "cluster=slurm",
+    "cluster.slurm.executor=local",
+    "cluster.accelerator=cpu",
+    "cluster.devices=2",
+    "cluster.precision=32-true",
+    "cluster.process_group_backend=gloo",
+    "cluster.slurm.gpus_per_node=null",
+]
 RUN = [*FAST, "parallelism=fsdp", "trainer.max_steps=3", "trainer.enable_checkpointing=true"]
 
 
