@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -54,19 +53,21 @@ def check_config(cfg: TrainConfig) -> ParallelDims:
     which the ranks are given as it is.
     """
     from lightning_dist.builders import check_model_and_data, resolve_micro_batch
+    from lightning_dist.cluster import check_devices, check_submission, resolve_accelerator
+    from lightning_dist.resume import check_run
     from lightning_dist.slurm import should_submit
 
     par, cluster = cfg.parallelism, cfg.cluster
-    _check_run(cfg)
+    check_run(cfg)
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
-    cluster.accelerator = _resolve_accelerator(cluster.accelerator)
+    cluster.accelerator = resolve_accelerator(cluster.accelerator)
     if cluster.launcher not in ("local", "slurm"):
         raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
     if should_submit(cfg):
-        _check_submission(cluster)  # the login node: its own hardware says nothing about the compute nodes
+        check_submission(cluster)  # the login node: its own hardware says nothing about the compute nodes
     else:
-        _check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+        check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     _check_strategy_can_do(par)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
@@ -146,110 +147,6 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | No
         raise ValueError(f"parallelism.{err}") from None  # the same message, named as the config field
 
 
-def _check_run(cfg: TrainConfig) -> None:
-    """The run's length and checkpoints, and which run it continues (``resume`` / ``ckpt_path=last``)."""
-    from lightning_dist.checkpoint import check_loadable, resolve_resume
-    from lightning_dist.strategies.guard import check_action
-
-    trainer, every = cfg.trainer, cfg.checkpoint
-    try:
-        check_action(trainer.on_nonfinite)
-    except ValueError as err:
-        raise ValueError(f"trainer.{err}") from None
-    for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
-        if getattr(trainer, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")
-    if every.every_n_steps is not None and every.every_n_steps < 1:
-        raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
-    if every.every_n_minutes is not None and every.every_n_minutes <= 0:
-        raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
-    if trainer.hang_timeout_s is not None and trainer.hang_timeout_s <= 0:
-        raise ValueError(f"trainer.hang_timeout_s={trainer.hang_timeout_s} must be > 0, or null (automatic).")
-    if trainer.max_restarts < 0:
-        raise ValueError(f"trainer.max_restarts={trainer.max_restarts} must be >= 0.")
-    if every.async_save and cfg.parallelism.strategy == "ddp":
-        raise ValueError(
-            "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
-            "use parallelism=fsdp, or checkpoint.async_save=false."
-        )
-    if every.keep_last < 1:
-        raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
-    if cfg.ckpt_path == "last":
-        cfg.resume, cfg.ckpt_path = "auto", None
-    _continue_after_external_restart(cfg)
-    if cfg.resume is not None:
-        if cfg.ckpt_path is not None:
-            raise ValueError(f"resume={cfg.resume} and ckpt_path={cfg.ckpt_path}: set only one of them.")
-        run_dir, found = resolve_resume(cfg.resume, cfg.output_dir)
-        cfg.output_dir, cfg.ckpt_path, cfg.resume = str(run_dir), str(found), None
-    elif cfg.ckpt_path is not None and not Path(cfg.ckpt_path).exists():
-        raise ValueError(f"ckpt_path={cfg.ckpt_path} does not exist; give a checkpoint file or folder.")
-    if cfg.ckpt_path is not None:
-        check_loadable(Path(cfg.ckpt_path))
-    elif cfg.init_from is not None:
-        _check_init_from(cfg)
-
-
-def _continue_after_external_restart(cfg: TrainConfig) -> None:
-    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint.
-
-    The first start of a torchrun / srun job whose folder (named by the rendezvous id or job id) already holds
-    checkpoints is refused: continuing or overwriting another run must be asked for.
-    """
-    from lightning_dist.checkpoint import latest_checkpoint
-    from lightning_dist.cluster import launcher, restart_count
-
-    if launcher() not in ("torchrun", "slurm") or cfg.resume is not None or cfg.ckpt_path is not None:
-        return
-    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints") if cfg.output_dir else None
-    restarts = restart_count()
-    if found is not None and restarts == 0:
-        raise ValueError(
-            f"output_dir={cfg.output_dir} already holds a run's checkpoints (newest {found.name}); continue it with "
-            "resume=auto, or start a new run in a new folder (another --rdzv-id, or output_dir=...)."
-        )
-    if found is not None:
-        cfg.ckpt_path = str(found)
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
-
-
-def _check_init_from(cfg: TrainConfig) -> None:
-    """``init_from`` names weights this model can start from: a HuggingFace folder or a whole checkpoint folder."""
-    from lightning_dist.checkpoint import check_loadable
-    from lightning_dist.config import HFModelConfig
-    from lightning_dist.export import is_hf_folder
-    from lightning_dist.models.gpt import GPTConfig
-    from lightning_dist.models.gpt_hf import from_hf_names
-
-    path = Path(cfg.init_from)
-    if is_hf_folder(path):
-        if isinstance(cfg.model, GPTConfig):
-            from_hf_names(cfg.model)  # raises for the layouts that cannot be read slice by slice
-        elif not isinstance(cfg.model, HFModelConfig):
-            raise ValueError(
-                f"init_from={path} is a HuggingFace folder, which only the built-in GPT and model=hf read; start from "
-                "a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
-            )
-    elif path.is_dir() and (path / ".metadata").exists():
-        check_loadable(path)
-    else:
-        raise ValueError(
-            f"init_from={path} is neither a HuggingFace folder (config.json + *.safetensors) nor a sharded checkpoint "
-            "folder (.metadata); export a checkpoint with lightning-dist-export, or give its checkpoints/step-N folder."
-        )
-    if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # names and shapes, on the meta device: nothing allocated
-        import torch
-
-        from lightning_dist.builders import build_module
-        from lightning_dist.checkpoint import weight_sources
-
-        with torch.device("meta"):
-            module = build_module(cfg)
-            module.configure_model()
-        weight_sources(path, module, module.state_dict())
-
-
 def _check_strategy_can_do(par) -> None:
     """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
     cannot = _CANNOT_DO[par.strategy]
@@ -260,76 +157,6 @@ def _check_strategy_can_do(par) -> None:
             f"{values} is not possible with parallelism.strategy={par.strategy} (it does {_DOES[par.strategy]}); "
             f"{cannot[bad[0]]}."
         )
-
-
-def _resolve_accelerator(accelerator: str) -> str:
-    """``auto`` is ``gpu`` where CUDA devices are visible, else ``cpu``; other names are kept."""
-    if accelerator == "auto":
-        return "gpu" if _cuda_count() > 0 else "cpu"
-    return accelerator
-
-
-def _check_submission(cluster: Any) -> None:
-    """A SLURM job's shape and options, on the login node before submitting."""
-    s = cluster.slurm
-    if cluster.devices < 1 or cluster.num_nodes < 1:
-        raise ValueError(f"cluster.devices={cluster.devices} and cluster.num_nodes={cluster.num_nodes} must be >= 1.")
-    if s.time_min < 1:
-        raise ValueError(f"cluster.slurm.time_min={s.time_min} must be >= 1 (minutes).")
-    if not 0 <= s.signal_delay_s < 60 * s.time_min:
-        raise ValueError(
-            f"cluster.slurm.signal_delay_s={s.signal_delay_s} must be >= 0 and less than the time limit "
-            f"({60 * s.time_min} s): it is how long before the limit the job is told to save."
-        )
-    if s.executor == "local" and (cluster.num_nodes > 1 or cluster.accelerator != "cpu"):
-        raise ValueError(
-            f"cluster.slurm.executor=local runs on this machine: it needs cluster.num_nodes=1 (got "
-            f"{cluster.num_nodes}) and cluster.accelerator=cpu (got {cluster.accelerator})."
-        )
-
-
-def _check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
-    if devices < 1:
-        raise ValueError(f"cluster.devices={devices} must be >= 1.")
-    if num_nodes > 1 and not _launched_externally():
-        raise ValueError(
-            f"cluster.num_nodes={num_nodes}: a multi-node job is started once per node by torchrun or SLURM "
-            "(e.g. torchrun --nnodes=N --nproc-per-node=8 -m lightning_dist.train ...); run it that way."
-        )
-    if accelerator in ("gpu", "cuda"):
-        available = _cuda_count()
-        if available == 0:
-            raise ValueError(
-                f"cluster.accelerator={accelerator} but no CUDA device is visible; "
-                "use cluster=local_cpu on this machine."
-            )
-        if devices > available:
-            raise ValueError(
-                f"cluster.devices={devices} but only {available} CUDA device(s) are visible; "
-                f"use cluster.devices<={available}."
-            )
-    elif accelerator == "cpu":
-        # CPU ranks can share cores (tests run 4 gloo ranks on 2 cores); beyond 2 per core they only thrash.
-        cores = os.cpu_count() or 1
-        limit = max(4, 2 * cores)
-        if devices > limit:
-            raise ValueError(
-                f"cluster.devices={devices} CPU processes is too many for {cores} cores; use cluster.devices<={limit}."
-            )
-    else:
-        raise ValueError(f"cluster.accelerator={accelerator!r} is unknown; use cpu, gpu or auto.")
-
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _launched_externally() -> bool:
-    from lightning_dist.launch import launched_externally
-
-    return launched_externally()
 
 
 # ------------------------------------------------------------------------------------------------------- one rank

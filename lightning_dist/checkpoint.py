@@ -333,30 +333,3 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
-
-
-def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:
-    """The run folder to continue and its newest complete checkpoint, for ``resume=auto`` or ``resume=<path>``.
-
-    ``auto`` continues ``output_dir``; a path names a run folder, its ``checkpoints`` folder, or one checkpoint in it.
-
-    Raises:
-        ValueError: There is no complete checkpoint to continue from (one line naming where it looked).
-    """
-    if resume == "auto":
-        if output_dir is None:
-            raise ValueError("resume=auto continues output_dir, which is not set; pass resume=<run folder>.")
-        run_dir = Path(output_dir)
-    else:
-        path = Path(resume).expanduser().resolve()
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
-        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
-        if path.parent.name == "checkpoints" and path.exists():
-            return run_dir, path
-    found = latest_checkpoint(run_dir / "checkpoints")
-    if found is None:
-        raise ValueError(
-            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}; give the folder of the run to "
-            "continue (resume=outputs/<date>/<time>), or start a new run without resume."
-        )
-    return run_dir, found

@@ -83,6 +83,72 @@ def _int(value: str | None) -> int:
         return 0
 
 
+# -------------------------------------------------------------------------------------------- before launch
+def resolve_accelerator(accelerator: str) -> str:
+    """``auto`` is ``gpu`` where CUDA devices are visible, else ``cpu``; other names are kept."""
+    if accelerator == "auto":
+        return "gpu" if cuda_count() > 0 else "cpu"
+    return accelerator
+
+
+def check_submission(cluster: Any) -> None:
+    """A SLURM job's shape and options, on the login node before submitting."""
+    s = cluster.slurm
+    if cluster.devices < 1 or cluster.num_nodes < 1:
+        raise ValueError(f"cluster.devices={cluster.devices} and cluster.num_nodes={cluster.num_nodes} must be >= 1.")
+    if s.time_min < 1:
+        raise ValueError(f"cluster.slurm.time_min={s.time_min} must be >= 1 (minutes).")
+    if not 0 <= s.signal_delay_s < 60 * s.time_min:
+        raise ValueError(
+            f"cluster.slurm.signal_delay_s={s.signal_delay_s} must be >= 0 and less than the time limit "
+            f"({60 * s.time_min} s): it is how long before the limit the job is told to save."
+        )
+    if s.executor == "local" and (cluster.num_nodes > 1 or cluster.accelerator != "cpu"):
+        raise ValueError(
+            f"cluster.slurm.executor=local runs on this machine: it needs cluster.num_nodes=1 (got "
+            f"{cluster.num_nodes}) and cluster.accelerator=cpu (got {cluster.accelerator})."
+        )
+
+
+def check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
+    """This machine can run ``devices`` local ranks of ``accelerator`` (a multi-node job: one start per node)."""
+    if devices < 1:
+        raise ValueError(f"cluster.devices={devices} must be >= 1.")
+    if num_nodes > 1 and launcher() is None:
+        raise ValueError(
+            f"cluster.num_nodes={num_nodes}: a multi-node job is started once per node by torchrun or SLURM "
+            "(e.g. torchrun --nnodes=N --nproc-per-node=8 -m lightning_dist.train ...); run it that way."
+        )
+    if accelerator in ("gpu", "cuda"):
+        available = cuda_count()
+        if available == 0:
+            raise ValueError(
+                f"cluster.accelerator={accelerator} but no CUDA device is visible; "
+                "use cluster=local_cpu on this machine."
+            )
+        if devices > available:
+            raise ValueError(
+                f"cluster.devices={devices} but only {available} CUDA device(s) are visible; "
+                f"use cluster.devices<={available}."
+            )
+    elif accelerator == "cpu":
+        # CPU ranks can share cores (tests run 4 gloo ranks on 2 cores); beyond 2 per core they only thrash.
+        cores = os.cpu_count() or 1
+        limit = max(4, 2 * cores)
+        if devices > limit:
+            raise ValueError(
+                f"cluster.devices={devices} CPU processes is too many for {cores} cores; use cluster.devices<={limit}."
+            )
+    else:
+        raise ValueError(f"cluster.accelerator={accelerator!r} is unknown; use cpu, gpu or auto.")
+
+
+def cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 # ---------------------------------------------------------------------------------------------------- preflight
 def preflight(cfg: Any, dims: Any, env: Mapping[str, str] = os.environ) -> None:
     """What one rank of a torchrun / SLURM job can check alone before the rendezvous; one line naming the value

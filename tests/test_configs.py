@@ -33,7 +33,7 @@ def test_every_group_has_options() -> None:
     assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
     assert BUILTIN_DATA == ["synthetic", "text", "tokens"]
     assert set(GROUPS["data"]) - set(BUILTIN_DATA) == {"custom"}
-    assert GROUPS["cluster"] == ["gpu", "local_cpu", "node_8gpu"]
+    assert GROUPS["cluster"] == ["gpu", "local_cpu", "node_8gpu", "slurm"]
 
 
 @pytest.mark.parametrize(
