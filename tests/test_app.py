@@ -18,8 +18,8 @@ SCRIPT = shutil.which("lightning-dist-train", path=str(Path(sys.executable).pare
 SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.log_every_n_steps=5", "data.seq_len=64"]
 
 
-def train(*overrides: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+def train(*overrides: str, cwd: Path, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **extra_env}
     env.pop("WANDB_API_KEY", None)
     return subprocess.run(
         [SCRIPT, *overrides],
@@ -130,6 +130,7 @@ def test_multirun_runs_each_job_once_in_its_own_directory(tmp_path: Path) -> Non
         "data.seq_len=32",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         cwd=tmp_path,
+        SLURM_PROCID="0",  # left over in the shell: not a launcher (it once made every job run twice)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())

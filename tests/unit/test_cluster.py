@@ -215,3 +215,15 @@ def test_lightning_reads_ranks_from_the_launcher_that_started_us(monkeypatch: py
         3,
         1,
     )
+
+
+def test_a_run_folder_one_node_cannot_see_is_named(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    def strategy(rank: int) -> SimpleNamespace:
+        return SimpleNamespace(global_rank=rank, broadcast=lambda value: value, barrier=lambda: None)
+
+    cluster.check_shared_folder(tmp_path, strategy(0))  # rank 0 sees what it wrote, and removes it
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=rf"^the run folder {tmp_path} is not shared: rank 3 on .* does not see"):
+        cluster.check_shared_folder(tmp_path, strategy(3))  # nothing was written there by "rank 0"
