@@ -15,7 +15,7 @@ from helpers import FAST, losses, run_app
 
 from lightning_dist.launch import free_port
 
-RUN = [*FAST, "logger=csv", "trainer.max_steps=6", "model.n_layers=2"]
+RUN = [*FAST, "logger=csv", "trainer.max_steps=4", "model.n_layers=2"]
 LAYOUTS = {
     "ddp": ["parallelism=ddp"],
     "pp2xtp2": ["parallelism=3d", "parallelism.dp_shard=1"],  # a stage per node, tp inside it
@@ -33,7 +33,7 @@ def torchrun_nodes(overrides: list[str], cwd: Path, nodes: int = 2, per_node: in
         agents.append(
             subprocess.Popen([*command, *overrides], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
-        time.sleep(1.0)  # a node that starts later must still join the same job and run folder
+        time.sleep(0.5)  # a node that starts later must still join the same job and run folder
     return agents
 
 
