@@ -115,6 +115,46 @@ class ClusterConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """A device and its links, for the planner (``hardware=h100_sxm``, ...; ``conf/hardware/``)."""
+
+    name: str = "H100 SXM 80GB"
+    """Shown in the plan."""
+    peak_tflops: float = 989.4
+    """Dense bf16 TFLOP/s of one device."""
+    memory_gib: float = 79.6
+    """Device memory as CUDA reports it."""
+    gpus_per_node: int = 8
+    """Devices joined by the fast intra-node links."""
+    intra_node_gbps: float = 360.0
+    """Achievable collective bus bandwidth inside a node, GB/s per device."""
+    inter_node_gbps: float = 40.0
+    """Achievable collective bus bandwidth between nodes, GB/s per device."""
+    compute_efficiency: float = 0.55
+    """Fraction of peak the model's matmuls reach (the step's compute time = FLOPs / (peak x this))."""
+    context_gib: float = 1.0
+    """Device memory the CUDA context and libraries take before training."""
+
+
+@dataclass
+class PlanConfig:
+    """``lightning-dist-plan``: which layouts to search and how to show them."""
+
+    top: int = 10
+    """Layouts shown (the best by tokens/s per device among those that fit)."""
+    format: str = "table"
+    """table (rich, on the terminal) or json (every layout searched, one object each)."""
+    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """Micro batch sizes tried (samples per forward; under pp, per pipeline microbatch)."""
+    max_pp: int = 16
+    """Largest pipeline degree tried."""
+    trace: bool = False
+    """Also trace one rank of the best layout on the fake backend and print its exact bytes."""
+    show_all: bool = False
+    """The table includes layouts that do not fit."""
+
+
+@dataclass
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
@@ -249,6 +289,9 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     """Seed for initialization, data order and dropout; same seed + global batch = same run on any layout."""
     ckpt_path: str | None = None
@@ -303,3 +346,4 @@ def register_configs() -> None:
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     store.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     store.store(group="logger", name="logger_schema", node=LoggerConfig)
+    store.store(group="hardware", name="hardware_schema", node=HardwareConfig)

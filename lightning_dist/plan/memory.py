@@ -154,4 +154,5 @@ def _block_params(cfg: GPTConfig) -> int:
     h, f = cfg.d_model, cfg.hidden_dim
     kv = 2 * cfg.kv_heads * cfg.head_dim
     mlp = (3 if cfg.arch == "llama" else 2) * h * f
-    return h * (h + kv) + h * h + mlp + 2 * h
+    biases = 2 * h + (2 * h + kv) + (f + h) if cfg.arch == "gpt2" else 0  # norms, attention, MLP
+    return h * (h + kv) + h * h + mlp + 2 * h + biases

@@ -53,3 +53,34 @@ def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
     per_rank = data.global_batch_size // dims.dp_size
     plain = estimate_memory(cfg.model, local_params=expected, seq_len=data.seq_len, micro_batch=per_rank, tp=dims.tp)
     assert not plain.fits(H100_GIB), plain.gib()
+
+
+def _trace_layouts(cfg_overrides: list[list[str]]) -> list[list[int]]:
+    """Rank 0 and the last rank of each layout, traced one after the other in this one process."""
+    from lightning_dist.plan.trace import trace_rank
+
+    found = []
+    for overrides in cfg_overrides:
+        cfg = compose_config(overrides)
+        world = cfg.cluster.devices * cfg.cluster.num_nodes
+        found.append([trace_rank(cfg, rank).local_params for rank in (0, world - 1)])
+    return found
+
+
+def test_the_planner_counts_what_a_traced_rank_holds() -> None:
+    """The planner's per-rank parameters (the larger pipeline stage) against ranks traced through the real
+    parallelize path: llama 70B's shape on 64 ranks under three layouts."""
+    from lightning_dist.plan.cost import rank_params
+
+    model = ["model=llama_70b", "cluster=node_8gpu", "cluster.num_nodes=8"]
+    layouts = {
+        (8, 8, 1): [*model, "parallelism=tp_fsdp", "parallelism.tp=8"],
+        (1, 64, 1): [*model, "parallelism=fsdp"],
+        (4, 4, 4): [*model, "parallelism=3d", "parallelism.tp=4", "parallelism.pp=4", "parallelism.microbatches=4"],
+    }
+    traced = launch(_trace_layouts, 1, list(layouts.values()))[0]
+    cfg = compose_config(model)
+    for (tp, dp_shard, pp), (first, last) in zip(layouts, traced):
+        per_rank = [params / (tp * dp_shard) for params in rank_params(cfg.model, pp)]
+        assert first == pytest.approx(per_rank[0], rel=0.01), (tp, dp_shard, pp, first, per_rank)
+        assert last == pytest.approx(per_rank[-1], rel=0.01), (tp, dp_shard, pp, last, per_rank)

@@ -1,0 +1,147 @@
+"""``lightning-dist-plan``: rank the layouts of a training job before renting the machines.
+
+A Hydra app over the training configs, so a plan composes exactly as the run would::
+
+    lightning-dist-plan model=llama_70b cluster=slurm cluster.num_nodes=32 hardware=h100_sxm data.seq_len=8192
+    lightning-dist-plan recipe=llama_8b_slurm_2x8_h100 plan.format=json > plan.json
+    lightning-dist-plan model=llama_8b cluster.num_nodes=2 plan.trace=true    # + one traced rank of the best layout
+
+The world is ``cluster.num_nodes`` x the devices of a node (``cluster.devices`` on a GPU cluster config, else
+``hardware.gpus_per_node``); the batch is ``data.global_batch_size`` samples of ``data.seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_dist.config import TrainConfig, register_configs, to_train_config
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, Layout
+from lightning_dist.plan.memory import GIB
+from lightning_dist.plan.search import rank
+from lightning_dist.train import CONF_DIR
+
+register_configs()
+
+
+def main() -> None:
+    """Console-script entry point (no run folder: a plan writes nothing)."""
+    sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    _hydra_main()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def _hydra_main(raw: DictConfig) -> None:
+    try:
+        cfg = to_train_config(raw)
+        plan(cfg)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+
+def world_of(cfg: TrainConfig) -> int:
+    """Ranks of the planned job (see the module docstring)."""
+    per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
+    return cfg.cluster.num_nodes * per_node
+
+
+def plan(cfg: TrainConfig) -> list[Estimate]:
+    """Estimate and rank every layout of ``cfg``'s job; print the table (or JSON) and, with ``plan.trace``, a traced
+    rank of the best layout.
+
+    Raises:
+        ValueError: The model is not the built-in GPT, or the format is unknown.
+    """
+    if not isinstance(cfg.model, GPTConfig):
+        raise ValueError("lightning-dist-plan models the built-in GPT (model=llama_8b, llama_70b, ...); got another.")
+    if cfg.plan.format not in ("table", "json"):
+        raise ValueError(f"plan.format={cfg.plan.format!r} is unknown; use table or json.")
+    world, seq_len, batch = world_of(cfg), cfg.data.seq_len, cfg.data.global_batch_size
+    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan)
+    if not found:
+        raise ValueError(
+            f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
+            "the number of nodes."
+        )
+    if cfg.plan.format == "json":
+        print(json.dumps([e.to_json() for e in found], indent=1))
+        return found
+    _print_table(cfg, world, found)
+    if cfg.plan.trace:
+        _print_trace(cfg, found[0])
+    return found
+
+
+def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    hw = cfg.hardware
+    fitting = [e for e in found if e.fits]
+    shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
+    table = Table(title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
+                  f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step")  # fmt: skip
+    for column in ("#", "pp", "tp", "dp rep x shard", "schedule", "m", "mb", "AC", "GiB", "tok/s/dev", "MFU",
+                   "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
+        table.add_column(column, justify="right" if column not in ("schedule", "AC") else "left")
+    for i, e in enumerate(shown, 1):
+        lay = e.layout
+        comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items()) or "-"
+        table.add_row(
+            str(i), str(lay.pp), str(lay.tp), f"{lay.dp_replicate} x {lay.dp_shard}",
+            f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
+            str(lay.micro_batch), lay.ac, f"{e.memory.total / GIB:.1f}", f"{e.tokens_per_sec_per_device:,.0f}",
+            f"{e.mfu:.1%}", f"{e.bubble_fraction:.2f}", comm, "yes" if e.fits else "no",
+        )  # fmt: skip
+    console = Console(width=160)
+    console.print(table)
+    console.print(
+        f"device: {hw.name}, {hw.peak_tflops} TFLOP/s bf16 at {hw.compute_efficiency:.0%}, {hw.memory_gib} GiB "
+        f"({hw.context_gib} for the CUDA context), {hw.gpus_per_node} per node, {hw.intra_node_gbps} GB/s inside a "
+        f"node, {hw.inter_node_gbps} GB/s between nodes"
+    )
+    for line in ASSUMPTIONS:
+        console.print(f"assumed: {line}")
+
+
+def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
+    """``cfg`` set to run ``lay`` (the parallelism fields and the micro batch), e.g. to trace or train it."""
+    strategy = "pipeline_parallel" if lay.pp > 1 else ("tensor_parallel" if lay.tp > 1 else "fsdp")
+    if strategy == "fsdp" and lay.dp_shard == 1:
+        strategy = "ddp" if lay.dp_replicate > 1 else "fsdp"
+    par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
+                  tp=lay.tp, pp=lay.pp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
+                  microbatches=lay.microbatches if lay.pp > 1 else None,
+                  activation_checkpointing=lay.ac)  # fmt: skip
+    per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
+    cluster = replace(cfg.cluster, devices=per_node, accelerator="cpu", precision="bf16-mixed")
+    return replace(cfg, parallelism=par, cluster=cluster, data=replace(cfg.data, micro_batch_size=lay.micro_batch))
+
+
+def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
+    from lightning_dist.launch import launch
+    from lightning_dist.plan.cost import stage_params
+
+    traced = launch(_trace, 1, apply_layout(cfg, best.layout))[0]
+    analytic = stage_params(cfg.model, best.layout.pp) // (best.layout.tp * best.layout.dp_shard)
+    print(
+        f"traced rank 0 of the best layout on the fake backend: {traced.local_params:,} parameters "
+        f"({traced.local_params * 16 / GIB:.2f} GiB with fp32 gradients and AdamW), analytic {analytic:,} "
+        f"({(traced.local_params - analytic) / analytic:+.2%})"
+    )
+
+
+def _trace(cfg: TrainConfig) -> Any:
+    from lightning_dist.plan.trace import trace_rank
+
+    return trace_rank(cfg, 0)
+
+
+if __name__ == "__main__":
+    main()

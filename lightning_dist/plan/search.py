@@ -1,0 +1,76 @@
+"""Every layout a world size allows for a GPT, each estimated (:mod:`lightning_dist.plan.cost`) and ranked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from lightning_dist.config import HardwareConfig, PlanConfig
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.plan.cost import Estimate, Layout, estimate
+
+AC_MODES = ("none", "selective", "full")
+
+
+def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, plan: PlanConfig) -> Iterator[Layout]:
+    """Layouts of ``world`` ranks the model and batch allow.
+
+    - pp divides the world and the layers (at most ``plan.max_pp``); tp divides the devices of a node and the
+      query and key / value heads (tp stays inside a node);
+    - the data-parallel ranks: FSDP2 over all of them, HSDP (shard inside a node, replicate across), or replicas
+      only;
+    - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp both 1F1B and
+      Interleaved1F1B (2 stages per rank) where the microbatches and layers allow;
+    - activation checkpointing none, selective (op) and full.
+    """
+    for pp in _divisors(world):
+        if pp > plan.max_pp or cfg.n_layers % pp:
+            continue
+        for tp in _divisors(gpus_per_node):
+            if (world // pp) % tp or cfg.n_heads % tp or cfg.kv_heads % tp:
+                continue
+            dp = world // (pp * tp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for replicate, shard in _data_parallel(dp, gpus_per_node // tp if pp * tp <= gpus_per_node else 1):
+                for micro in plan.micro_batches:
+                    if per_rank % micro:
+                        continue
+                    steps = per_rank // micro
+                    for schedule, v in _schedules(cfg, pp, steps):
+                        for ac in AC_MODES:
+                            yield Layout(replicate, shard, tp, pp, micro, steps, schedule, v, ac)
+
+
+def rank(
+    cfg: GPTConfig, hw: HardwareConfig, world: int, seq_len: int, global_batch: int, plan: PlanConfig
+) -> list[Estimate]:
+    """Every layout estimated, those that fit first, each group by tokens/s per device (best first)."""
+    found = [estimate(cfg, lay, hw, seq_len, global_batch) for lay in layouts(cfg, world, global_batch,
+                                                                               hw.gpus_per_node, plan)]  # fmt: skip
+    return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.memory.total))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _data_parallel(dp: int, per_node: int) -> list[tuple[int, int]]:
+    """(dp_replicate, dp_shard) choices: FSDP2 over all, HSDP sharding inside a node, replicas only."""
+    options = [(1, dp)]
+    if 1 < per_node < dp and dp % per_node == 0:
+        options.append((dp // per_node, per_node))
+    if dp > 1:
+        options.append((dp, 1))
+    return options
+
+
+def _schedules(cfg: GPTConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1F1B", 1)]
+    options = []
+    if microbatches >= pp:
+        options.append(("1F1B", 1))
+        if cfg.n_layers % (2 * pp) == 0 and microbatches % pp == 0:
+            options.append(("Interleaved1F1B", 2))
+    return options
