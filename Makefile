@@ -15,7 +15,7 @@ PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-unit test-distributed lint format benchmark clean
+.PHONY: install train test test-all test-unit test-distributed reproduce lint format benchmark clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ train: install
 	$(BIN)/lightning-dist-train $(ARGS)
 
 # --durations: the slowest tests are listed at the end of every run, so a test that grows slow is seen.
+# `slow` marks the few end-to-end runs whose mechanisms also have faster tests here (the README lists them);
+# `make test-all` runs them too.
 test: install
+	$(BIN)/python -m pytest --durations=15 -m "not slow" $(PYTEST_ARGS)
+
+test-all: install
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-unit: install
@@ -41,6 +46,10 @@ test-unit: install
 
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed $(PYTEST_ARGS)
+
+# Every CPU recipe against its golden file (loss per step, resumed at half; tokens/s and memory within bands).
+reproduce: install
+	for recipe in tiny_ddp_cpu tiny_tp_cpu tiny_pp_cpu; do $(BIN)/lightning-dist-reproduce $$recipe || exit 1; done
 
 lint: install
 	$(BIN)/ruff check .

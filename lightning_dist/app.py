@@ -179,6 +179,7 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
     from lightning_dist.loggers import build_logger, finish_wandb
     from lightning_dist.preemption import Preemption
     from lightning_dist.telemetry import LossHistory, Telemetry
+    from lightning_dist.telemetry.history import merge_telemetry
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
@@ -235,6 +236,8 @@ def fit(cfg: TrainConfig, callbacks: tuple = (), dims: ParallelDims | None = Non
         default_root_dir=out_dir,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if cfg.trainer.telemetry:
+        merge_telemetry(history.records, telemetry.history)
     metrics = trainer.callback_metrics
     result = {
         "output_dir": str(out_dir),

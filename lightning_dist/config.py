@@ -193,6 +193,8 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     """Lightning's gradient accumulation. Built-in data: sets data.micro_batch_size to the per-rank batch / this (the
     global batch stays data.global_batch_size); data=custom: your loader's batch x this x dp is the global batch."""
+    report: bool = True
+    """Write the run report (report.html and its PNGs) in the run folder at the end; report.json is always written."""
     max_restarts: int = 0
     """Restart a job whose rank died or hung, from its newest checkpoint in the same folder, up to this many times."""
     hang_timeout_s: float | None = None

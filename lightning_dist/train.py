@@ -84,8 +84,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     else:
         result = _launch_with_restarts(cfg, dims, out_dir)
     result["wall_time_s"] = time.perf_counter() - start
+    if os.environ.get("RANK", "0") == "0":
+        _write_report(cfg, dims, result)
     _print_summary(result)
     return result
+
+
+def _write_report(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> None:
+    """``report.json`` always; ``report.html`` and its PNGs unless ``trainer.report=false``."""
+    from lightning_dist.plan.estimate_run import predicted_and_measured
+    from lightning_dist.telemetry.report import render, write_summary
+
+    result["ranks"] = [{"rank": rank, **dims.coordinates(rank)} for rank in range(min(dims.world_size, 256))]
+    result["prediction"], result["hardware"] = predicted_and_measured(cfg, dims, result), cfg.hardware.name
+    write_summary(Path(result["output_dir"]), result)
+    if cfg.trainer.report:
+        result["report"] = str(render(Path(result["output_dir"])))
 
 
 def _launch_with_restarts(cfg: TrainConfig, dims: Any, out_dir: Path) -> dict[str, Any]:

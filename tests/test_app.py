@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import re
@@ -92,6 +93,40 @@ def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:
     steps = int(summary["steps"].split()[0])
     assert (checkpoints / "latest").read_text().strip() == f"step-{steps:08d}"  # published at the end of training
     assert (checkpoints / f"step-{steps:08d}").is_file()  # Lightning's DDP writes one file
+    _check_report(tmp_path / "run", world=2)
+
+
+def _check_report(run_dir: Path, world: int) -> None:
+    """The run report: a self-contained page (its plots embedded) with the layout and the planner's estimate."""
+    from html.parser import HTMLParser
+
+    from lightning_dist.telemetry.report import main as report_main
+
+    class Page(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.images, self.headings, self.cells, self._tag = [], [], [], ""
+
+        def handle_starttag(self, tag, attrs):
+            self._tag = tag
+            if tag == "img":
+                self.images.append(dict(attrs)["src"])
+
+        def handle_data(self, data):
+            if self._tag == "h2":
+                self.headings.append(data)
+            elif self._tag in ("td", "th"):
+                self.cells.append(data)
+
+    (run_dir / "report.html").unlink()
+    report_main([str(run_dir)])  # lightning-dist-report RUN_DIR writes it again
+    page = Page()
+    page.feed((run_dir / "report.html").read_text())
+    assert len(page.images) == 3 and all(src.startswith("data:image/png;base64,") for src in page.images)
+    assert {"loss.png", "step_time.png", "throughput_memory.png"} <= set(page.headings)
+    assert {"Which rank holds what", "compute (the rest)", "tokens/s per device"} <= set(page.headings + page.cells)
+    assert [p.name for p in sorted(run_dir.glob("*.png"))] == ["loss.png", "step_time.png", "throughput_memory.png"]
+    assert json.loads((run_dir / "report.json").read_text())["ranks"][world - 1]["rank"] == world - 1
 
 
 def test_readme_example_override_with_text_data(tmp_path: Path) -> None:

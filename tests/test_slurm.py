@@ -36,6 +36,7 @@ def test_a_submitted_job_runs_one_rank_per_task_in_one_folder(tmp_path: Path) ->
     assert len(logs) == 2  # two tasks, one process each: the app did not start ranks of its own inside them
 
 
+@pytest.mark.slow  # the launcher config's fields: tests/unit/test_cluster.py::test_the_sweep_launcher_reads_the_cluster
 def test_a_sweep_becomes_one_job_per_point(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_dist.train", "-m", "hydra/launcher=slurm_local", *RUN, *LOCAL_SLURM,
                f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,3e-3"]  # fmt: skip

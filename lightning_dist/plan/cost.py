@@ -10,7 +10,7 @@ message of a send); time divides the bus bytes (size x nccl-tests' bus factor) b
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_dist.config import HardwareConfig
@@ -22,16 +22,19 @@ GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (FSDP2 reduce_dtype, DDP bucket
 ACT_BYTES = 2  # bf16 activations sent by TP collectives and pipeline sends
 FSDP_OVERLAP = 0.9  # fraction of the compute time FSDP2's prefetched all-gathers / reduce-scatters can hide under
 DDP_OVERLAP = 0.9  # the same for the replicate all-reduce, under the backward (2/3 of the compute)
+TP_OVERLAP = 0.8  # fraction of TP communication hidden where it is overlapped with the matmuls (not in our strategy)
 RECOMPUTE = {"none": 1.0, "selective": 1.03, "full": 4 / 3}  # compute with activation recomputation (6N -> 8N full)
 ASSUMPTIONS = [
     f"compute: the PaLM FLOPs per token (6N + 12 L H Q T) at hardware.compute_efficiency of peak; recomputation "
     f"multiplies it by {RECOMPUTE['selective']} (selective, element-wise ops) or {RECOMPUTE['full']:.2f} (full: one "
     "more forward)",
-    f"FSDP2: bf16 parameters all-gathered in the forward and again in the backward of every micro batch, fp32 "
-    f"gradients reduce-scattered once per step; hidden under {FSDP_OVERLAP:.0%} of the compute, except one unit",
+    f"FSDP2: bf16 parameters all-gathered in the forward and again in the backward of every micro batch (pipeline "
+    f"stages: once per step, kept gathered: reshard_after_forward=False), fp32 gradients reduce-scattered once per "
+    f"step; hidden under {FSDP_OVERLAP:.0%} of the compute, except one unit",
     f"replicas (DDP / HSDP): one fp32 all-reduce per step, hidden under {DDP_OVERLAP:.0%} of the backward",
     "TP with sequence parallelism: per block and micro batch 4 all-gathers and 4 reduce-scatters of the bf16 "
-    "activations (forward and backward), never hidden",
+    f"activations (forward and backward), never hidden (our strategy does not overlap them; a layout with "
+    f"tp_overlap, e.g. Megatron's, hides {TP_OVERLAP:.0%})",
     "PP: one bf16 activation send per microbatch forward and one gradient send per backward at each stage boundary, "
     "never hidden; bubble (p-1)/(v m + p - 1) of the step (v = stages per rank)",
     "links: tp inside a node; an axis whose groups span nodes runs at hardware.inter_node_gbps, else at "
@@ -52,6 +55,7 @@ class Layout:
     schedule: str = "1F1B"
     stages_per_rank: int = 1
     ac: str = "none"
+    tp_overlap: bool = False  # TP collectives overlapped with the matmuls (Megatron's --tp-comm-overlap, async TP)
 
     @property
     def world(self) -> int:
@@ -146,13 +150,16 @@ def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, g
     )  # what FSDP2 gathers and reduces: tp-sharded, whole over dp_shard
     steps = lay.microbatches  # micro batches per optimizer step, pipelined or accumulated
     blocks = math.ceil(cfg.n_layers / lay.pp)
+    if lay.dp_shard > 1 and lay.pp > 1:  # stages keep their gathered parameters for the whole schedule
+        memory = replace(memory, buffers=memory.buffers + int(stage * PARAM_BYTES))
     if lay.dp_shard > 1:
-        gather = 2 * steps * stage * PARAM_BYTES
+        gather = (2 * steps if lay.pp == 1 else 1) * stage * PARAM_BYTES
         reduce = stage * GRAD_REDUCE_BYTES
         bus = (gather + reduce) * (lay.dp_shard - 1) / lay.dp_shard
         seconds = bus / _link(hw, lay.tp * lay.dp_shard) / 1e9
         exposed = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
-        comm["dp_shard"] = {"bytes": gather + reduce, "calls": (2 * steps + 1) * (blocks + 1), "seconds": seconds,
+        calls = ((2 * steps if lay.pp == 1 else 1) + 1) * (blocks + 1)
+        comm["dp_shard"] = {"bytes": gather + reduce, "calls": calls, "seconds": seconds,
                             "exposed_s": exposed}  # fmt: skip
     if lay.dp_replicate > 1:
         size = stage / lay.dp_shard * GRAD_REDUCE_BYTES
@@ -164,7 +171,8 @@ def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, g
         message = lay.micro_batch * seq_len * cfg.d_model * ACT_BYTES
         size = 8 * blocks * steps * message
         seconds = size * (lay.tp - 1) / lay.tp / hw.intra_node_gbps / 1e9
-        comm["tp"] = {"bytes": size, "calls": 8 * blocks * steps, "seconds": seconds, "exposed_s": seconds}
+        exposed = seconds * (1 - TP_OVERLAP) if lay.tp_overlap else seconds
+        comm["tp"] = {"bytes": size, "calls": 8 * blocks * steps, "seconds": seconds, "exposed_s": exposed}
     bubble = 0.0
     if lay.pp > 1:
         message = lay.micro_batch * seq_len * cfg.d_model * ACT_BYTES

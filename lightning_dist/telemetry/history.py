@@ -1,10 +1,16 @@
-"""Per-step record of the logged training loss (what the app returns and the layout tests compare)."""
+"""Per-step record of the logged training loss (what the app returns and the layout tests compare); the app adds
+the telemetry's throughput, time split and memory to the steps where it logged them (:func:`merge_telemetry`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
+
+#: Telemetry values copied into the records of the steps where the telemetry logged (every few steps).
+TELEMETRY_KEYS = ("perf/tokens_per_sec", "perf/tokens_per_sec_per_device", "perf/step_ms", "perf/data_ms", "perf/mfu",
+                  "memory/rss_gib", "memory/peak_allocated_gib", "comm/fraction", "comm/dp/ms", "comm/dp_shard/ms",
+                  "comm/dp_replicate/ms", "comm/tp/ms", "comm/pp/ms", "pipeline/bubble_fraction")  # fmt: skip
 
 
 class LossHistory(pl.Callback):
@@ -31,3 +37,11 @@ class LossHistory(pl.Callback):
             if key in metrics:
                 record[key] = float(metrics[key])
         self.records.append(record)
+
+
+def merge_telemetry(records: list[dict[str, float]], telemetry: list[dict[str, float]]) -> None:
+    """Add the :data:`TELEMETRY_KEYS` of each telemetry record to the loss record of the same step, in place."""
+    by_step = {int(r["step"]): r for r in telemetry}
+    for record in records:
+        logged = by_step.get(int(record["step"]), {})
+        record.update({key: float(logged[key]) for key in TELEMETRY_KEYS if key in logged})

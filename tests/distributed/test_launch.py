@@ -104,3 +104,23 @@ def test_a_hang_after_the_result_is_cut_short_with_a_warning() -> None:
     with pytest.warns(RuntimeWarning, match=r"rank 1 had not exited 1 s after returning its result; terminated"):
         assert launch(_rank_one_hangs_on_the_way_out, 2, 3.0, exit_grace_s=1.0) == [0, 1]
     assert time.monotonic() - start < 30  # 3 s of work + 1 s of grace + start-up, not the hour of the hang
+
+
+def test_a_rank_ends_when_its_launcher_is_gone() -> None:
+    """SIGKILL to the main process cannot be forwarded: every rank watches its launcher and exits without it."""
+    import subprocess
+    import sys
+    import time
+
+    launcher = subprocess.Popen(["sleep", "60"])
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; from lightning_dist.launch import _exit_with_launcher; "
+         f"_exit_with_launcher({launcher.pid}); print('watching', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert rank.stdout.readline().strip() == "watching"
+    launcher.kill()
+    launcher.wait()
+    killed = time.monotonic()
+    assert rank.wait(timeout=30) == 1
+    assert time.monotonic() - killed < 30  # checked every second

@@ -17,7 +17,7 @@ from lightning_dist.launch import free_port
 
 RUN = [*FAST, "logger=csv", "trainer.max_steps=4", "model.n_layers=2"]
 LAYOUTS = {
-    "ddp": ["parallelism=ddp"],
+    "ddp": pytest.param(["parallelism=ddp"], marks=pytest.mark.slow),  # the same path: a second layout
     "pp2xtp2": ["parallelism=3d", "parallelism.dp_shard=1"],  # a stage per node, tp inside it
 }
 
@@ -49,9 +49,9 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return losses(run_app([*RUN, "parallelism=fsdp", "cluster.devices=1"], tmp_path_factory.mktemp("one")))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_nodes_give_the_one_process_curve(layout: str, one_process: list[float], tmp_path: Path) -> None:
-    finish(torchrun_nodes([*RUN, *LAYOUTS[layout], "cluster.num_nodes=2", "cluster.devices=2"], tmp_path))
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_two_nodes_give_the_one_process_curve(layout: list[str], one_process: list[float], tmp_path: Path) -> None:
+    finish(torchrun_nodes([*RUN, *layout, "cluster.num_nodes=2", "cluster.devices=2"], tmp_path))
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-job7"]  # one folder for both nodes
     with (tmp_path / "outputs" / "torchrun-job7" / "csv" / "metrics.csv").open() as file:
         curve = [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]

@@ -69,12 +69,11 @@ def _trace_layouts(cfg_overrides: list[list[str]]) -> list[list[int]]:
 
 def test_the_planner_counts_what_a_traced_rank_holds() -> None:
     """The planner's per-rank parameters (the larger pipeline stage) against ranks traced through the real
-    parallelize path: llama 70B's shape on 64 ranks under three layouts."""
+    parallelize path: llama 70B's shape on 64 ranks (tp8 x dp_shard8 is the recipe test's above)."""
     from lightning_dist.plan.cost import rank_params
 
     model = ["model=llama_70b", "cluster=node_8gpu", "cluster.num_nodes=8"]
     layouts = {
-        (8, 8, 1): [*model, "parallelism=tp_fsdp", "parallelism.tp=8"],
         (1, 64, 1): [*model, "parallelism=fsdp"],
         (4, 4, 4): [*model, "parallelism=3d", "parallelism.tp=4", "parallelism.pp=4", "parallelism.microbatches=4"],
     }

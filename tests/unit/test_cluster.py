@@ -227,3 +227,58 @@ def test_a_run_folder_one_node_cannot_see_is_named(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match=rf"^the run folder {tmp_path} is not shared: rank 3 on .* does not see"):
         cluster.check_shared_folder(tmp_path, strategy(3))  # nothing was written there by "rank 0"
+
+
+def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(tmp_path: Path, monkeypatch) -> None:
+    """torchrun's agent keeps one store for every attempt: a restarted rank must not read the last attempt's keys."""
+    import torch.distributed as dist
+
+    from lightning_dist import _compat
+    from lightning_dist._compat import checkpoint_metadata_file
+    from lightning_dist.app import check_config
+
+    step = tmp_path / "checkpoints" / "step-00000006"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / checkpoint_metadata_file()).write_bytes(b"")
+    env = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_config([*FAST, "cluster.devices=2"], tmp_path)
+    check_config(cfg)
+    assert cfg.ckpt_path == str(step)  # continued from the newest checkpoint of the job's folder
+
+    calls = []
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: dist.HashStore())
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    strategy = type("S", (), {"_timeout": None, "_get_process_group_backend": lambda self: "gloo"})()
+    _compat.init_after_torchrun_restart(strategy)
+    (call,) = calls
+    assert isinstance(call["store"], dist.PrefixStore) and (call["rank"], call["world_size"]) == (0, 2)
+    call["store"].set("key", "value")  # lands under the attempt's prefix, not where attempt 0 wrote "key"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _compat.init_after_torchrun_restart(strategy)  # a first start: torch's own env:// init, nothing here
+    assert len(calls) == 1
+
+
+def test_the_sweep_launcher_reads_the_cluster() -> None:
+    """``-m ... hydra/launcher=slurm``: Hydra's submitit launcher gets its job shape from cluster.* (job arrays)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose
+
+    compose_config([])  # Hydra initialized on the app's configs
+    overrides = ["cluster=slurm", "cluster.num_nodes=4", "cluster.slurm.partition=gpu", "cluster.slurm.time_min=90",
+                 "hydra/launcher=slurm", "hydra.launcher.setup=[module load cuda]"]  # fmt: skip
+    launcher = compose(config_name="train", overrides=overrides, return_hydra_config=True).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (4, 8, 8)
+    assert (launcher.partition, launcher.timeout_min, list(launcher.setup), launcher.signal_delay_s) == (
+        "gpu",
+        90,
+        ["module load cuda"],
+        120,
+    )
+    local = compose(config_name="train", overrides=["cluster.devices=2", "hydra/launcher=slurm_local"],
+                    return_hydra_config=True).hydra.launcher  # fmt: skip
+    assert local._target_.endswith("LocalLauncher") and local.tasks_per_node == 2
