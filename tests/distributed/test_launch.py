@@ -124,3 +124,38 @@ def test_a_rank_ends_when_its_launcher_is_gone() -> None:
     killed = time.monotonic()
     assert rank.wait(timeout=30) == 1
     assert time.monotonic() - killed < 30  # checked every second
+
+
+def _wait_for_sigterm(ready: str) -> str:
+    """A rank that waits, as a training rank does, for the launcher's SIGTERM (what Ctrl-C becomes)."""
+    import signal
+    from pathlib import Path
+
+    received = []
+    signal.signal(signal.SIGTERM, lambda *_: received.append(True))
+    Path(ready, os.environ["RANK"]).touch()
+    while not received:
+        time.sleep(0.05)
+    return "SIGTERM"
+
+
+def test_ctrl_c_to_the_main_process_reaches_every_rank_and_the_job_ends(tmp_path) -> None:
+    """SIGINT to the main process alone: each rank gets SIGTERM (its cue to save and stop) and the launcher returns;
+    it once sat in multiprocessing's exit join for minutes while the ranks trained on."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = ("from test_launch import _wait_for_sigterm; from lightning_dist.launch import launch; "
+            f"print(launch(_wait_for_sigterm, 2, {str(tmp_path)!r}), flush=True)")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    job = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.iterdir())) < 2:
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(job.pid, signal.SIGINT)
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 0 and "['SIGTERM', 'SIGTERM']" in out

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,10 +49,10 @@ def whole(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    temporary = set(Path(tempfile.gettempdir()).glob("lightning-dist-*"))
+    run_dir, temporary = tmp_path / "run", _own_tmp(tmp_path)
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, f"output_dir={run_dir}"]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, "TMPDIR": str(temporary)})  # fmt: skip
     deadline = time.monotonic() + 240
     while latest_checkpoint(run_dir / "checkpoints") is None:  # training has started (step 1 is published)
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
@@ -67,7 +66,7 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict
     assert 0 < int(stopped.name.removeprefix("step-")) < STEPS
     time.sleep(2)  # the forkserver notices its parent is gone within a moment
     assert not [pid for pid in ranks if _alive(pid)], "a process outlived the job"
-    assert set(Path(tempfile.gettempdir()).glob("lightning-dist-*")) == temporary  # the launcher's folder is gone
+    assert not list(temporary.iterdir())  # the launcher's folder is gone
 
     resumed = run_app([*RUN, *SAVING, f"resume={run_dir}"], tmp_path / "unused")
     assert resumed["steps"] == STEPS
@@ -75,6 +74,13 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict
         rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
     np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
+
+
+def _own_tmp(tmp_path: Path) -> Path:
+    """A temporary-files folder for one job (its TMPDIR), so its launcher's folder is found among no one else's."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return folder
 
 
 def _children(pid: int) -> set[int]:
@@ -128,20 +134,20 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
 def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> None:
     from lightning_dist import heartbeat
 
-    temporary = set(Path(tempfile.gettempdir()).glob("lightning-dist-*"))
+    temporary = _own_tmp(tmp_path)
     overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path}"]
     job = subprocess.Popen(
         [sys.executable, "-m", "lightning_dist.train", *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TMPDIR": str(temporary)},
     )
     deadline, beats = time.monotonic() + 240, []
     while not any((beat := heartbeat.read(path)) is not None and beat[0] >= 3 for path in beats):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
         time.sleep(0.2)
-        folders = set(Path(tempfile.gettempdir()).glob("lightning-dist-*")) - temporary
-        beats = [path for folder in folders for path in folder.glob("*.beat")]
+        beats = list(temporary.glob("lightning-dist-*/*.beat"))
     victim = _ranks(job.pid)[0]
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.monotonic()

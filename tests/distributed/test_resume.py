@@ -29,7 +29,7 @@ def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Pat
     assert first["checkpoint"] == str(run_dir / "checkpoints" / "step-00000007")
     assert not list((run_dir / "checkpoints").glob(".*partial"))
 
-    resumed = run_app([*FAST, *LAYOUT, *SAVING, f"resume={run_dir}"], tmp_path / "elsewhere")
+    resumed = run_app([*FAST, *LAYOUT, *SAVING, "ckpt_path=last"], run_dir)  # Lightning's word for resume=auto
     assert resumed["output_dir"] == str(run_dir)  # continued in its own folder
     np.testing.assert_allclose(losses(first) + losses(resumed), losses(whole), rtol=1e-6)
     # One metrics.csv: the first run's rows kept, the resumed run's appended, every step once.
@@ -42,6 +42,7 @@ def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Pat
     ("overrides", "message"),
     [
         (["resume=auto"], r"resume=auto: no complete checkpoint in .*checkpoints; give the folder of the run"),
+        (["ckpt_path=last"], r"resume=auto: no complete checkpoint in .*new/checkpoints; give the folder of the run"),
         (["resume=/nonexistent/run"], r"resume=/nonexistent/run: no complete checkpoint in /nonexistent/run/check"),
         (["ckpt_path=/nonexistent/step-1"], r"ckpt_path=/nonexistent/step-1 does not exist"),
         (["trainer.max_steps=0"], r"trainer.max_steps=0 must be >= 1"),
