@@ -35,11 +35,13 @@ train: install
 # --durations: the slowest tests are listed at the end of every run, so a test that grows slow is seen.
 # `slow` marks the few end-to-end runs whose mechanisms also have faster tests here (the README lists them);
 # `make test-all` runs them too.
+# Two pytest workers, each taking whole files (module fixtures are computed once): most multi-process tests spend
+# much of their time waiting (process start-up, rendezvous, polling), which the other worker's test fills.
 test: install
-	$(BIN)/python -m pytest --durations=15 -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 -m "not slow" $(PYTEST_ARGS)
 
 test-all: install
-	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit tests/test_configs.py $(PYTEST_ARGS)

@@ -118,7 +118,8 @@ def adopt_submitit_environment() -> None:
     import submitit
 
     if submitit.JobEnvironment().num_tasks > 1:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # The job's environment is authoritative: a MASTER_ADDR left in the submitting shell must not win.
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def requeue() -> None:

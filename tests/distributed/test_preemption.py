@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,10 @@ def whole(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_app(RUN, tmp_path_factory.mktemp("whole"))
 
 
-def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict, tmp_path: Path) -> None:
-    run_dir, temporary = tmp_path / "run", _own_tmp(tmp_path)
+def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(
+    whole: dict, tmp_path: Path, own_tmp: Path
+) -> None:
+    run_dir, temporary = tmp_path / "run", own_tmp
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, f"output_dir={run_dir}"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env={**os.environ, "TMPDIR": str(temporary)})  # fmt: skip
@@ -76,11 +79,18 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(whole: dict
     np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
 
 
-def _own_tmp(tmp_path: Path) -> Path:
-    """A temporary-files folder for one job (its TMPDIR), so its launcher's folder is found among no one else's."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    return folder
+@pytest.fixture
+def own_tmp() -> Iterator[Path]:
+    """A temporary-files folder for one job (its TMPDIR), so its launcher's folder is found among no one else's.
+
+    Short and under /tmp: the forkserver's socket lives there, and a UNIX socket path has at most 107 characters.
+    """
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ld-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _children(pid: int) -> set[int]:
@@ -131,10 +141,10 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
     np.testing.assert_allclose([float(row["train/loss"]) for row in rows], losses(whole), rtol=1e-6)
 
 
-def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> None:
+def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_tmp: Path) -> None:
     from lightning_dist import heartbeat
 
-    temporary = _own_tmp(tmp_path)
+    temporary = own_tmp
     overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path}"]
     job = subprocess.Popen(
         [sys.executable, "-m", "lightning_dist.train", *overrides],
