@@ -55,6 +55,7 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(
     run_dir, temporary = tmp_path / "run", own_tmp
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, f"output_dir={run_dir}"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           cwd=tmp_path,
                            env={**os.environ, "TMPDIR": str(temporary)})  # fmt: skip
     deadline = time.monotonic() + 240
     while latest_checkpoint(run_dir / "checkpoints") is None:  # training has started (step 1 is published)
@@ -114,7 +115,7 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, "trainer.max_restarts=1"]
     job = subprocess.Popen(
-        [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
     )
     deadline = time.monotonic() + 240
     while latest_checkpoint(checkpoints) is None:
@@ -152,6 +153,7 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "TMPDIR": str(temporary)},
+        cwd=tmp_path,  # Hydra's own folder for the job goes there, not into the repository's outputs/
     )
     deadline, beats = time.monotonic() + 240, []
     while not any((beat := heartbeat.read(path)) is not None and beat[0] >= 3 for path in beats):
@@ -175,7 +177,9 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_
 def test_sigkill_to_the_main_process_leaves_no_rank_behind(tmp_path: Path) -> None:
     """The main process cannot forward SIGKILL: each rank notices its launcher is gone (checked every second)."""
     overrides = [*RUN, "trainer.max_steps=100000", f"output_dir={tmp_path}", "trainer.enable_checkpointing=false"]
-    job = subprocess.Popen([sys.executable, "-m", "lightning_dist.train", *overrides], stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "lightning_dist.train", *overrides], stderr=subprocess.DEVNULL, cwd=tmp_path
+    )
     deadline = time.monotonic() + 240
     while len(ranks := _ranks(job.pid)) < 2 or not (tmp_path / "csv" / "metrics.csv").exists():  # training
         assert job.poll() is None and time.monotonic() < deadline
