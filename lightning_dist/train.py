@@ -84,7 +84,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     else:
         result = _launch_with_restarts(cfg, dims, out_dir)
     result["wall_time_s"] = time.perf_counter() - start
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one writer per job (srun sets no RANK)
         _write_report(cfg, dims, result)
     _print_summary(result)
     return result
