@@ -92,7 +92,7 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
         table.add_column(column, justify="right" if column not in ("schedule", "AC") else "left")
     for i, e in enumerate(shown, 1):
         lay = e.layout
-        comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items()) or "-"
+        comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
         table.add_row(
             str(i), str(lay.pp), str(lay.tp), f"{lay.dp_replicate} x {lay.dp_shard}",
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
@@ -126,21 +126,32 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
 
 def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
     from lightning_dist.launch import launch
-    from lightning_dist.plan.cost import stage_params
+    from lightning_dist.plan.collectives import per_axis, step_collectives
 
-    traced = launch(_trace, 1, apply_layout(cfg, best.layout))[0]
-    analytic = stage_params(cfg.model, best.layout.pp) // (best.layout.tp * best.layout.dp_shard)
-    print(
-        f"traced rank 0 of the best layout on the fake backend: {traced.local_params:,} parameters "
-        f"({traced.local_params * 16 / GIB:.2f} GiB with fp32 gradients and AdamW), analytic {analytic:,} "
-        f"({(traced.local_params - analytic) / analytic:+.2%})"
-    )
+    lay = best.layout
+    traced = launch(_trace, 1, apply_layout(cfg, lay), lay.pp == 1)[0]
+    memory = best.memory
+    analytic = memory.params // 4
+    print(f"traced rank 0 of the best layout on the fake backend ({lay.describe()}):")
+    error = (traced.local_params - analytic) / analytic
+    print(f"  parameters {traced.local_params:,}, analytic {analytic:,} ({error:+.2%})")
+    if traced.collectives is None:
+        print("  (a pipeline rank: traced for its parameters only, not stepped)")
+        return
+    for name, got, want in (("gradient bytes", traced.grad_bytes, memory.grads),
+                            ("optimizer bytes", traced.optimizer_bytes, memory.optimizer)):  # fmt: skip
+        print(f"  {name} {got:,}, analytic {want:,} ({(got - want) / want:+.2%})")
+    planned = per_axis(step_collectives(cfg.model, lay, cfg.data.seq_len, "bf16-mixed", stage=0, loop=False))
+    for axis in sorted(set(planned) | set(traced.collectives)):
+        got, want = traced.collectives.get(axis, {}), planned.get(axis, {})
+        print(f"  comm/{axis}: traced {got.get('bytes', 0):,} bytes in {got.get('calls', 0)} calls, "
+              f"analytic {want.get('bytes', 0):,} bytes in {want.get('calls', 0)} calls")  # fmt: skip
 
 
-def _trace(cfg: TrainConfig) -> Any:
+def _trace(cfg: TrainConfig, step: bool) -> Any:
     from lightning_dist.plan.trace import trace_rank
 
-    return trace_rank(cfg, 0)
+    return trace_rank(cfg, 0, step=step)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from typing import Any
 
 from lightning_dist.config import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.plan.collectives import Dtypes, step_collectives
 from lightning_dist.plan.memory import GIB, MemoryEstimate, _block_params, estimate_memory
+from lightning_dist.telemetry.comm import BUS_FACTORS
 
-PARAM_BYTES = 2  # bf16 parameters all-gathered by FSDP2 (bf16-mixed)
-GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (FSDP2 reduce_dtype, DDP buckets)
-ACT_BYTES = 2  # bf16 activations sent by TP collectives and pipeline sends
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 FSDP_OVERLAP = 0.9  # fraction of the compute time FSDP2's prefetched all-gathers / reduce-scatters can hide under
 DDP_OVERLAP = 0.9  # the same for the replicate all-reduce, under the backward (2/3 of the compute)
 TP_OVERLAP = 0.8  # fraction of TP communication hidden where it is overlapped with the matmuls (not in our strategy)
@@ -28,15 +28,16 @@ ASSUMPTIONS = [
     f"compute: the PaLM FLOPs per token (6N + 12 L H Q T) at hardware.compute_efficiency of peak; recomputation "
     f"multiplies it by {RECOMPUTE['selective']} (selective, element-wise ops) or {RECOMPUTE['full']:.2f} (full: one "
     "more forward)",
-    f"FSDP2: bf16 parameters all-gathered in the forward and again in the backward of every micro batch (pipeline "
-    f"stages: once per step, kept gathered: reshard_after_forward=False), fp32 gradients reduce-scattered once per "
-    f"step; hidden under {FSDP_OVERLAP:.0%} of the compute, except one unit",
-    f"replicas (DDP / HSDP): one fp32 all-reduce per step, hidden under {DDP_OVERLAP:.0%} of the backward",
-    "TP with sequence parallelism: per block and micro batch 4 all-gathers and 4 reduce-scatters of the bf16 "
-    f"activations (forward and backward), never hidden (our strategy does not overlap them; a layout with "
-    f"tp_overlap, e.g. Megatron's, hides {TP_OVERLAP:.0%})",
-    "PP: one bf16 activation send per microbatch forward and one gradient send per backward at each stage boundary, "
-    "never hidden; bubble (p-1)/(v m + p - 1) of the step (v = stages per rank)",
+    "communication: every collective a rank issues per step, counted from the model's shapes "
+    "(lightning_dist.plan.collectives: FSDP2 gathers / reductions per unit, TP sequence all-gathers / "
+    "reduce-scatters per block and micro batch, recomputed ones under activation checkpointing, pipeline sends, "
+    "gradient-norm and loop scalars); equal to what the telemetry measures on CPU runs",
+    f"FSDP2 all-gathers and reduce-scatters hidden under {FSDP_OVERLAP:.0%} of the compute, except one unit's; "
+    f"replica all-reduces under {DDP_OVERLAP:.0%} of the backward",
+    f"TP and PP communication never hidden (our strategy does not overlap them; a layout with tp_overlap, e.g. "
+    f"Megatron's, hides {TP_OVERLAP:.0%} of TP)",
+    "pipeline bubble (p-1)/(v m + p-1) of the step (v = stages per rank); zero-bubble schedules (InterleavedZeroBubble,"
+    " ZBVZeroBubble, DualPipeV) leave a third of that idle time",
     "links: tp inside a node; an axis whose groups span nodes runs at hardware.inter_node_gbps, else at "
     "intra_node_gbps (achievable bus bandwidth per device)",
 ]
@@ -56,6 +57,7 @@ class Layout:
     stages_per_rank: int = 1
     ac: str = "none"
     tp_overlap: bool = False  # TP collectives overlapped with the matmuls (Megatron's --tp-comm-overlap, async TP)
+    ddp: bool = False  # Lightning's DDPStrategy (parallelism=ddp) rather than the mesh strategy's replicas
 
     @property
     def world(self) -> int:
@@ -98,29 +100,50 @@ class Estimate:
         }
 
 
-def stage_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1) -> int:
+def stage_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1, schedule: str = "1F1B") -> int:
     """Parameters of the pipeline rank holding the most (the whole model for ``pp=1``); see :func:`rank_params`."""
-    return max(rank_params(cfg, pp, stages_per_rank))
+    return max(rank_params(cfg, pp, stages_per_rank, schedule))
 
 
-def rank_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1) -> list[int]:
+def rank_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1, schedule: str = "1F1B") -> list[int]:
     """Parameters of each pipeline rank, split as the strategy splits: blocks balanced by parameter count with the
     embedding on the first and the final norm and head on the last
-    (:func:`lightning_dist.parallel.pipeline.balanced_split`), rank r holding stages r, r + pp, ..."""
-    from lightning_dist.parallel.pipeline import balanced_split
+    (:func:`lightning_dist.parallel.pipeline.balanced_split`), rank r holding stages r, r + pp, ... (a V for
+    ZBV / DualPipeV)."""
+    from lightning_dist.parallel.pipeline import stage_ids
 
+    costs = _layer_costs(cfg, pp)
+    if pp == 1:
+        return [int(sum(costs))]
+    groups = _split(cfg, pp * stages_per_rank)
+    return [int(sum(costs[i] for s in stage_ids(r, pp, stages_per_rank, schedule) for i in groups[s]))
+            for r in range(pp)]  # fmt: skip
+
+
+def stage_blocks(cfg: GPTConfig, num_stages: int) -> list[int]:
+    """Blocks of each of ``num_stages`` pipeline stages, as the strategy splits them."""
+    return [len(group) for group in _split(cfg, num_stages)] if num_stages > 1 else [cfg.n_layers]
+
+
+def _layer_costs(cfg: GPTConfig, pp: int) -> list[float]:
+    """Parameters per block, the embedding counted on the first and the final norm and head on the last."""
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings and pp == 1 else cfg.vocab_size * cfg.d_model
     costs = [float(_block_params(cfg))] * cfg.n_layers
     costs[0] += embedding
     costs[-1] += head + cfg.d_model
-    if pp == 1:
-        return [int(sum(costs))]
-    groups = balanced_split(costs, pp * stages_per_rank)
-    return [int(sum(costs[i] for stage in groups[r::pp] for i in stage)) for r in range(pp)]
+    return costs
 
 
-def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, global_batch: int) -> Estimate:
+def _split(cfg: GPTConfig, num_stages: int) -> list[list[int]]:
+    from lightning_dist.parallel.pipeline import balanced_split
+
+    return balanced_split(_layer_costs(cfg, 2), num_stages)
+
+
+def estimate(
+    cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, global_batch: int, precision: str = "bf16-mixed"
+) -> Estimate:
     """Memory, communication, step time, tokens/s and MFU of ``layout`` for the model ``cfg``.
 
     Args:
@@ -129,10 +152,10 @@ def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, g
         hw: The device and its links.
         seq_len: Tokens per sample.
         global_batch: Samples per optimizer step, over all data-parallel ranks.
+        precision: Lightning's precision string (the dtypes of gathers, reductions and activations).
     """
     lay = layout
-    dp = lay.dp_replicate * lay.dp_shard
-    local = stage_params(cfg, lay.pp, lay.stages_per_rank) // (lay.tp * lay.dp_shard)
+    local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.dp_shard)
     memory = estimate_memory(
         cfg, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch, tp=lay.tp, dp_shard=lay.dp_shard,
         pp=lay.pp, microbatches=lay.microbatches if lay.pp > 1 else 1, schedule=lay.schedule,
@@ -144,44 +167,30 @@ def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, g
         flops_per_token * tokens / lay.world * RECOMPUTE[lay.ac] / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
     )
 
-    comm: dict[str, dict[str, float]] = {}
-    stage = (
-        stage_params(cfg, lay.pp, lay.stages_per_rank) / lay.tp
-    )  # what FSDP2 gathers and reduces: tp-sharded, whole over dp_shard
-    steps = lay.microbatches  # micro batches per optimizer step, pipelined or accumulated
+    dtypes = Dtypes.of(precision)
     blocks = math.ceil(cfg.n_layers / lay.pp)
     if lay.dp_shard > 1 and lay.pp > 1:  # stages keep their gathered parameters for the whole schedule
-        memory = replace(memory, buffers=memory.buffers + int(stage * PARAM_BYTES))
-    if lay.dp_shard > 1:
-        gather = (2 * steps if lay.pp == 1 else 1) * stage * PARAM_BYTES
-        reduce = stage * GRAD_REDUCE_BYTES
-        bus = (gather + reduce) * (lay.dp_shard - 1) / lay.dp_shard
-        seconds = bus / _link(hw, lay.tp * lay.dp_shard) / 1e9
-        exposed = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
-        calls = ((2 * steps if lay.pp == 1 else 1) + 1) * (blocks + 1)
-        comm["dp_shard"] = {"bytes": gather + reduce, "calls": calls, "seconds": seconds,
-                            "exposed_s": exposed}  # fmt: skip
-    if lay.dp_replicate > 1:
-        size = stage / lay.dp_shard * GRAD_REDUCE_BYTES
-        seconds = size * 2 * (lay.dp_replicate - 1) / lay.dp_replicate / _link(hw, dp * lay.tp) / 1e9
-        exposed = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
-        comm["dp_replicate"] = {"bytes": size, "calls": max(1, math.ceil(size / 25e6)), "seconds": seconds,
-                                "exposed_s": exposed}  # fmt: skip
-    if lay.tp > 1:
-        message = lay.micro_batch * seq_len * cfg.d_model * ACT_BYTES
-        size = 8 * blocks * steps * message
-        seconds = size * (lay.tp - 1) / lay.tp / hw.intra_node_gbps / 1e9
-        exposed = seconds * (1 - TP_OVERLAP) if lay.tp_overlap else seconds
-        comm["tp"] = {"bytes": size, "calls": 8 * blocks * steps, "seconds": seconds, "exposed_s": exposed}
-    bubble = 0.0
-    if lay.pp > 1:
-        message = lay.micro_batch * seq_len * cfg.d_model * ACT_BYTES
-        size = 2 * steps * message  # a middle stage: activations forward, gradients backward
-        apart = lay.world // lay.pp  # ranks between neighbouring stages (pp is the outermost axis)
-        seconds = size / (hw.inter_node_gbps if apart >= hw.gpus_per_node else hw.intra_node_gbps) / 1e9
-        comm["pp"] = {"bytes": size, "calls": 2 * steps, "seconds": seconds, "exposed_s": seconds}
-        v = lay.stages_per_rank
-        bubble = (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
+        gathered = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp * dtypes.compute
+        memory = replace(memory, buffers=memory.buffers + int(gathered))
+    collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
+    comm: dict[str, dict[str, float]] = {}
+    for c in collectives:
+        axis = comm.setdefault(c.axis, {"bytes": 0, "calls": 0, "seconds": 0.0})
+        group = _group_size(lay, c.axis)
+        axis["bytes"] += c.bytes
+        axis["calls"] += c.calls
+        axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / _axis_link(hw, lay, c.axis) / 1e9
+    for name, axis in comm.items():
+        seconds = axis["seconds"]
+        if name == "dp_shard":  # prefetched: hidden under compute except the first unit's
+            axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
+        elif name == "dp_replicate":  # under the backward
+            axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
+        elif name == "tp" and lay.tp_overlap:
+            axis["exposed_s"] = seconds * (1 - TP_OVERLAP)
+        else:
+            axis["exposed_s"] = seconds
+    bubble = bubble_fraction(lay) if lay.pp > 1 else 0.0
     exposed = sum(c["exposed_s"] for c in comm.values())
     step_s = (compute_s + exposed) / (1 - bubble)
     per_device = tokens / step_s / lay.world
@@ -196,6 +205,30 @@ def estimate(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int, g
         mfu=flops_per_token * per_device / (hw.peak_tflops * 1e12),
         fits=memory.fits(hw.memory_gib, hw.context_gib),
     )
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Idle fraction of a pipeline step: ``(p-1)/(v m + p-1)`` for GPipe / 1F1B (v = 1) and the interleaved
+    schedules; a third of that idle time for the zero-bubble schedules, which fill it with weight gradients (Qi et
+    al. 2023, equal forward, input-gradient and weight-gradient times)."""
+    p, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
+    idle = (p - 1) / 3 if layout.schedule in ZERO_BUBBLE else p - 1
+    return idle / (v * m + idle)
+
+
+def _group_size(layout: Layout, axis: str) -> int:
+    sizes = {"dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate, "tp": layout.tp, "pp": layout.pp}
+    return sizes.get(axis, layout.world if axis == "world" else 2)
+
+
+def _axis_link(hw: HardwareConfig, layout: Layout, axis: str) -> float:
+    """Bus bandwidth of an axis: mesh order (pp, dp_replicate, dp_shard, tp), tp innermost."""
+    if axis == "pp":
+        apart = layout.world // layout.pp  # ranks between neighbouring stages
+        return hw.inter_node_gbps if apart >= hw.gpus_per_node else hw.intra_node_gbps
+    inner = layout.tp * (layout.dp_shard if axis in ("dp_shard", "dp_replicate") else 1)
+    span = {"tp": layout.tp, "dp_shard": inner, "dp_replicate": inner * layout.dp_replicate}.get(axis, layout.world)
+    return _link(hw, span)
 
 
 def _link(hw: HardwareConfig, span: int) -> float:

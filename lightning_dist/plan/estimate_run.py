@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_dist.config import TrainConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import Layout, estimate
 from lightning_dist.plan.memory import GIB
 
@@ -15,13 +16,16 @@ def layout_of(cfg: TrainConfig, dims: Any) -> Layout:
     """The planner's :class:`Layout` for ``cfg``'s run under ``dims``."""
     par = cfg.parallelism
     per_rank = cfg.data.global_batch_size // dims.dp_size
-    micro = cfg.data.micro_batch_size or (
-        per_rank // par.microbatches if dims.pp > 1 and par.microbatches else per_rank
-    )
-    steps = per_rank // micro if micro else 1
+    if cfg.data.micro_batch_size:
+        micro = cfg.data.micro_batch_size
+    elif dims.pp > 1:  # the strategy's default: one microbatch per stage
+        micro = per_rank // (par.microbatches or dims.pp * par.stages_per_rank)
+    else:
+        micro = per_rank // cfg.trainer.accumulate_grad_batches
     schedule = par.schedule if dims.pp > 1 else "1F1B"
     degrees = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
-    return Layout(*degrees, micro, steps, schedule, par.stages_per_rank, par.activation_checkpointing)
+    return Layout(*degrees, micro, per_rank // micro, schedule, par.stages_per_rank, par.activation_checkpointing,
+                  ddp=par.strategy == "ddp")  # fmt: skip
 
 
 def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> dict[str, list[Any]] | None:
@@ -29,7 +33,14 @@ def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) 
     if not isinstance(cfg.model, GPTConfig) or not hasattr(cfg.data, "seq_len"):
         return None
     try:
-        found = estimate(cfg.model, layout_of(cfg, dims), cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size)
+        layout = layout_of(cfg, dims)
+        found = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size,
+                         cfg.cluster.precision)  # fmt: skip
+        rank0 = None  # not modelled: virtual stages on pp=1, whose local schedule gathers FSDP2 units per pass
+        if not (dims.pp == 1 and cfg.parallelism.stages_per_rank > 1):
+            planned = step_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0,
+                                       ddp=layout.ddp)  # fmt: skip
+            rank0 = per_axis(planned)
     except ValueError:
         return None
     history = result.get("history", [])
@@ -38,13 +49,27 @@ def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) 
         values = [r[key] for r in history if key in r]
         return round(statistics.median(values), 3) if values else None
 
+    steady = history[1:] or history  # the first step also infers pipeline shapes
+
+    def measured_comm(kind: str) -> dict[str, int] | None:
+        found = {}
+        for axis in ("dp", "tp", "pp", "world"):
+            values = [r[f"comm/{axis}/{kind}"] for r in steady if f"comm/{axis}/{kind}" in r]
+            if values:
+                found[axis] = int(statistics.median(values))
+        return found or None
+
+    states = [r["memory/params_gib"] + r["memory/optimizer_gib"] for r in history if "memory/params_gib" in r]
     memory = [r.get("memory/peak_allocated_gib", r.get("memory/rss_gib")) for r in history]
     measured_memory = max((m for m in memory if m is not None), default=None)
     return {
-        "model states GiB per rank (params, grads, AdamW)": [
-            round((found.memory.params + found.memory.grads + found.memory.optimizer) / GIB, 3), None],
+        "parameters + optimizer state GiB, largest rank": [
+            round((found.memory.params + found.memory.optimizer) / GIB, 6), round(max(states), 6) if states else None],
         "peak memory GiB per rank": [round(found.memory.total / GIB, 3), measured_memory],
         "tokens/s per device": [round(found.tokens_per_sec_per_device, 1), median("perf/tokens_per_sec_per_device")],
         "pipeline bubble fraction": [round(found.bubble_fraction, 3), median("pipeline/bubble_fraction")],
-        "communication bytes per step": [{a: int(c["bytes"]) for a, c in found.comm.items()}, None],
+        "communication bytes per step, rank 0": [rank0 and {a: c["bytes"] for a, c in rank0.items()},
+                                                 measured_comm("bytes")],
+        "communication calls per step, rank 0": [rank0 and {a: c["calls"] for a, c in rank0.items()},
+                                                 measured_comm("calls")],
     }  # fmt: skip

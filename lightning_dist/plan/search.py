@@ -18,8 +18,9 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
       query and key / value heads (tp stays inside a node);
     - the data-parallel ranks: FSDP2 over all of them, HSDP (shard inside a node, replicate across), or replicas
       only;
-    - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp both 1F1B and
-      Interleaved1F1B (2 stages per rank) where the microbatches and layers allow;
+    - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp every schedule (GPipe,
+      1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; 2 stages per rank for the
+      multi-stage ones) where torch accepts the microbatches and the layers split evenly;
     - activation checkpointing none, selective (op) and full.
     """
     for pp in _divisors(world):
@@ -66,11 +67,20 @@ def _data_parallel(dp: int, per_node: int) -> list[tuple[int, int]]:
 
 
 def _schedules(cfg: GPTConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """Every ``torch.distributed.pipelining`` schedule the strategy runs, with 1 or 2 stages per rank, where torch
+    accepts the microbatches and the layers split evenly into the stages."""
+    from lightning_dist.parallel.pipeline import SCHEDULES, check_microbatches
+
     if pp == 1:
         return [("1F1B", 1)]
     options = []
-    if microbatches >= pp:
-        options.append(("1F1B", 1))
-        if cfg.n_layers % (2 * pp) == 0 and microbatches % pp == 0:
-            options.append(("Interleaved1F1B", 2))
+    for name, fixed in SCHEDULES.items():
+        v = fixed or 2
+        if cfg.n_layers % (pp * v):
+            continue
+        try:
+            check_microbatches(name, microbatches, pp, v)
+        except ValueError:
+            continue
+        options.append((name, v))
     return options

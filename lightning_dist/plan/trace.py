@@ -2,6 +2,12 @@
 backend for the world, and the strategy's own parallelize path (TP, activation checkpointing, FSDP2, pipeline
 split). Nothing is allocated and no collective runs; what the rank would hold is read from its shards' shapes.
 
+With ``step=True`` the rank then runs one optimizer step on fake tensors (``FakeTensorMode``: shapes and dtypes
+only): every micro batch's forward and backward, the gradient norm and AdamW, with the telemetry's
+:class:`~lightning_dist.telemetry.comm.CommTracker` counting each collective it issues on the fake backend.
+Lightning's loop is not run, so its per-batch scalars (:func:`~lightning_dist.plan.collectives.step_collectives`
+with ``loop=False``) are not in the trace.
+
 Run it in a fresh process (it initializes ``torch.distributed``), e.g. with :func:`lightning_dist.launch.launch`.
 """
 
@@ -26,13 +32,17 @@ class RankTrace:
     param_bytes: int
     stage_ids: list[int]
     microbatches: int | None
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    collectives: dict[str, dict[str, int]] | None = None  # axis -> {"bytes", "calls"}, per optimizer step
 
 
-def trace_rank(cfg: TrainConfig, rank: int) -> RankTrace:
+def trace_rank(cfg: TrainConfig, rank: int, step: bool = False) -> RankTrace:
     """Parallelize ``cfg``'s model as rank ``rank`` of its full world size would, without allocating it.
 
     The layout comes from ``cfg`` exactly as for training (``cluster.devices x cluster.num_nodes`` ranks); the data
-    is not read, so a recipe naming files that are not on this machine traces too.
+    is not read, so a recipe naming files that are not on this machine traces too. ``step``: also run one
+    optimizer step on fake tensors and count its collectives, gradients and optimizer state.
     """
     import torch.distributed as dist
     from lightning.pytorch.plugins.environments import LightningEnvironment
@@ -62,6 +72,7 @@ def trace_rank(cfg: TrainConfig, rank: int) -> RankTrace:
         strategy._parallelize(module, materialize=False)
         pipeline = strategy.pipeline
         params = {id(p): p for p in module.parameters()}.values()
+        extra = _fake_step(cfg, strategy, module, mesh, per_rank) if step else {}
         return RankTrace(
             rank=rank,
             coordinates=dims.coordinates(rank),
@@ -69,6 +80,7 @@ def trace_rank(cfg: TrainConfig, rank: int) -> RankTrace:
             param_bytes=sum(_local(p).numel() * p.element_size() for p in params),
             stage_ids=pipeline.stage_ids if pipeline is not None else [0],
             microbatches=pipeline.microbatches if pipeline is not None else None,
+            **extra,
         )
     finally:
         dist.destroy_process_group()
@@ -76,3 +88,50 @@ def trace_rank(cfg: TrainConfig, rank: int) -> RankTrace:
 
 def _local(param: Any) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank: int) -> dict[str, Any]:
+    """One optimizer step of the parallelized ``module`` on fake tensors, its collectives counted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_dist.parallel.clip import clip_grad_norm_
+    from lightning_dist.parallel.tensor import reduce_partial_grads
+    from lightning_dist.plan.collectives import REPORTED
+    from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
+    from lightning_dist.telemetry.throughput import model_state_bytes
+
+    if strategy.pipeline is not None:
+        raise ValueError("plan.trace steps whole-model layouts; a pipeline rank is traced for its parameters only.")
+    micro = cfg.data.micro_batch_size or per_rank
+    seq = cfg.data.seq_len
+    tracker = CommTracker(axis_groups_from_mesh(mesh), timing=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        tracker.install()
+        try:
+            for index in range(per_rank // micro):
+                last = index == per_rank // micro - 1
+                for unit in units:  # accumulate: FSDP2 reduces on the last micro batch only, as in training
+                    unit.set_requires_gradient_sync(last, recurse=False)
+                with strategy.precision_plugin.forward_context(), strategy._loss_context():  # autocast, as Lightning
+                    loss = module.compute_loss(batch)
+                with strategy._loss_context():
+                    loss.backward()
+            reduce_partial_grads(module.parameters())
+            pp_group = strategy.parallel_dims.group("pp") if strategy.parallel_dims.pp_enabled else None
+            clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val, pp_group)
+            optimizer.step()
+        finally:
+            tracker.uninstall()
+        states = model_state_bytes(module, [optimizer])
+    collectives: dict[str, dict[str, int]] = {}
+    for (axis, _op), stats in tracker.snapshot().items():
+        totals = collectives.setdefault(REPORTED.get(axis, axis), {"bytes": 0, "calls": 0})
+        totals["bytes"] += stats.bytes
+        totals["calls"] += stats.count
+    return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives}

@@ -32,7 +32,7 @@ from lightning_dist.parallel import pipeline
 from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
-from lightning_dist.parallel.tensor import TensorParallelPlan
+from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.guard import allow_step
 from lightning_dist.strategies.guard import check_action as check_nonfinite_action
@@ -378,6 +378,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         """Clip the step's whole gradient (every micro batch in) by its norm over all axes; log ``train/grad_norm``."""
         pp_group = self.parallel_dims.group("pp") if self.parallel_dims.pp_enabled else None
         skip = self._pipeline.norm_exclude if self._pipeline is not None else frozenset()
+        reduce_partial_grads(self.model.parameters())  # once, not again in every op that reads them
         norm = clip_grad_norm_(self.model.parameters(), self._clip_val, pp_group, norm_exclude=skip)
         self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         return norm

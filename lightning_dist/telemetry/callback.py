@@ -30,6 +30,7 @@ from lightning_dist.telemetry.tables import comm_table, format_summary, layout_t
 from lightning_dist.telemetry.throughput import (
     batch_size_and_tokens,
     find_flops_per_token,
+    model_state_bytes,
     parameter_count,
     peak_tflops,
     resident_memory_bytes,
@@ -72,7 +73,8 @@ class Telemetry(pl.Callback):
       ``comm/<axis>/ms`` (+ ``_min`` / ``_max``), ``comm/<axis>/busbw_gbps``, ``comm/total_ms`` (+ ``_min`` /
       ``_max``), ``comm/fraction`` (of the timed steps' own time, data loading included) and ``comm/timed_steps``.
       A window without a timed step (``comm_timing_every_n_steps`` larger than the logging period) logs no times.
-    - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), max over ranks.
+    - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), and the model
+      states a rank holds: ``memory/params_gib``, ``memory/grads_gib``, ``memory/optimizer_gib``; max over ranks.
     - ``pipeline/bubble_fraction`` (and its min / max over ranks) under ``PipelineParallelStrategy``.
 
     At the end of ``fit``: a table of communication per axis and op and a table of the layout (rank -> mesh
@@ -276,6 +278,8 @@ class Telemetry(pl.Callback):
             local["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self._device) / _GIB
             torch.cuda.reset_peak_memory_stats(self._device)
         local["memory/rss_gib"] = resident_memory_bytes() / _GIB
+        for part, size in model_state_bytes(pl_module, trainer.optimizers).items():
+            local[f"memory/{part}_gib"] = size / _GIB
         pop_bubble = getattr(trainer.strategy, "pop_bubble_fraction", None)
         bubble = pop_bubble() if callable(pop_bubble) else None
         if bubble is not None:
@@ -314,9 +318,8 @@ class Telemetry(pl.Callback):
         if timed:
             metrics["comm/fraction"] = local["comm/total_ms"] / local["comm/timed_step_ms"]
             metrics["comm/timed_steps"] = float(timed)
-        for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/rss_gib"):
-            if key in local:
-                metrics[key] = high[key]
+        for key in [k for k in local if k.startswith("memory/")]:
+            metrics[key] = high[key]
         if "pipeline/bubble_fraction" in local:
             key = "pipeline/bubble_fraction"
             metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})

@@ -10,7 +10,10 @@ import lightning.pytorch as pl
 #: Telemetry values copied into the records of the steps where the telemetry logged (every few steps).
 TELEMETRY_KEYS = ("perf/tokens_per_sec", "perf/tokens_per_sec_per_device", "perf/step_ms", "perf/data_ms", "perf/mfu",
                   "memory/rss_gib", "memory/peak_allocated_gib", "comm/fraction", "comm/dp/ms", "comm/dp_shard/ms",
-                  "comm/dp_replicate/ms", "comm/tp/ms", "comm/pp/ms", "pipeline/bubble_fraction")  # fmt: skip
+                  "comm/dp_replicate/ms", "comm/tp/ms", "comm/pp/ms", "pipeline/bubble_fraction",
+                  "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib",
+                  *(f"comm/{axis}/{kind}" for axis in ("dp", "tp", "pp", "world")
+                    for kind in ("bytes", "calls")))  # fmt: skip
 
 
 class LossHistory(pl.Callback):

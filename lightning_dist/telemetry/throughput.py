@@ -108,3 +108,18 @@ def resident_memory_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def model_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state: its own shards (DTensor local tensors),
+    each tensor once (tied weights), what the planner's ``params`` / ``grads`` / ``optimizer`` predict."""
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    params = {id(p): p for p in module.parameters()}.values()
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [value for opt in optimizers for state in opt.state.values() for value in state.values()
+              if isinstance(value, torch.Tensor)]  # fmt: skip
+    size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)  # noqa: E731
+    return {"params": size(params), "grads": size(grads), "optimizer": size(states)}

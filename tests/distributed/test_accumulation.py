@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch.distributed as dist
-from helpers import FAST, compose_config, losses, run_app
+from helpers import FAST, assert_planned, compose_config, losses, run_app
 
 from lightning_dist.launch import launch
 
@@ -41,6 +41,7 @@ def test_accumulated_layouts_match_one_process(layout: list[str], reference: dic
     result = run_app([*FAST, *layout], tmp_path)
     assert len(losses(result)) == 10  # one record per optimizer step, not per micro batch
     np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
+    assert_planned(result)
     if "train/grad_norm" in result["history"][0]:  # Lightning's DDP does not log it
         np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(reference, "train/grad_norm"), rtol=1e-5)
 

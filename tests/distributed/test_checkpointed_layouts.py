@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, losses, run_app
+from helpers import FAST, assert_planned, losses, run_app
 
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]
 
@@ -21,6 +21,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     [
         ["parallelism=tp_fsdp", "cluster.devices=4", "parallelism.activation_checkpointing=full"],
         ["parallelism=fsdp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
+        ["parallelism=tp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
         [
             "parallelism=pp",
             "cluster.devices=2",
@@ -29,13 +30,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "parallelism.ac_selective=2",
         ],
     ],
-    ids=["tp2xfsdp2-full", "fsdp2-op", "pp2-every2"],
+    ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "pp2-every2"],
 )
 def test_checkpointed_layouts_match_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *layout], tmp_path)
     assert len(losses(result)) == 10
     np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
     np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(reference, "train/grad_norm"), rtol=1e-4)
+    assert_planned(result)
 
 
 def test_checkpointing_is_refused_where_it_cannot_reach() -> None:

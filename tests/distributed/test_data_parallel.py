@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import FAST, losses, run_app
+from helpers import FAST, assert_planned, losses, run_app
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +18,4 @@ def test_two_processes_match_one_process(parallelism: str, one_process: list[flo
     assert len(losses(result)) == len(one_process) == 10
     np.testing.assert_allclose(losses(result), one_process, rtol=1e-5)
     assert losses(result)[-1] < losses(result)[0]  # it trains
+    assert_planned(result)

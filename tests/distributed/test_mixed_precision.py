@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, losses, run_app
+from helpers import FAST, assert_planned, losses, run_app
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_dist.strategies.mesh import _compute_dtype
@@ -36,6 +36,7 @@ def test_bf16_layouts_match_one_process_bf16(layout: list[str], one_process: dic
     result = run_app([*FAST, *BF16, *layout], tmp_path)
     assert len(losses(result)) == 10 and np.isfinite(losses(result)).all()
     np.testing.assert_allclose(losses(result), losses(one_process), rtol=1e-3)
+    assert_planned(result)  # bf16 gathers and activations, fp32 reductions: the planner's bytes exactly
 
 
 def test_mixed_precision_maps_to_fsdp2_compute_dtypes() -> None:

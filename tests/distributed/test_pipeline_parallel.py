@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FAST, compose_config, losses, run_app
+from helpers import FAST, assert_planned, compose_config, losses, run_app
 from torch import nn
 
 from lightning_dist import PipelineParallelStrategy
@@ -36,6 +36,8 @@ def assert_same_run(result: dict, reference: dict) -> None:
     assert len(losses(result)) == len(losses(reference)) == 10
     np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
     np.testing.assert_allclose(losses(result, "train/grad_norm"), losses(reference, "train/grad_norm"), rtol=1e-4)
+    if "prediction" in result:  # the app's summary (a rank's own fit result has none)
+        assert_planned(result)
 
 
 def _fit_all_ranks(cfg) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FAST, losses, run_app
+from helpers import FAST, assert_planned, losses, run_app
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -59,6 +59,8 @@ def assert_same_run(result: dict, reference: dict) -> None:
 def test_layout_matches_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *WITH_VAL, *layout, f"trainer.max_steps={STEPS}"], tmp_path)
     assert_same_run(result, reference)
+    if "parallelism.sequence_parallel=false" not in layout:  # the planner counts the sequence-parallel plan
+        assert_planned(result)
 
 
 def test_one_process_reference_is_plain_lightning(reference: dict, tmp_path: Path) -> None:

@@ -44,25 +44,39 @@ def test_stage_parameters_by_hand() -> None:
 
 def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     seq, batch = 32, 8
+    loop = 8 + 4 + 4  # per step: Lightning's SIGTERM broadcast, the loss sync, the preemption flag
     fsdp = estimate(TINY, Layout(1, 2, 1, 1, micro_batch=4, microbatches=1), HW, seq, batch)
     params = stage_params(TINY, 1)
-    assert fsdp.comm["dp_shard"]["bytes"] == 2 * params * 2 + params * 4  # bf16 gathers (fwd + bwd), fp32 reduce
-    assert fsdp.comm["dp_shard"]["seconds"] == pytest.approx((2 * params * 2 + params * 4) / 2 / 100e9)
+    grads = 3 + 2 * 9  # tensors: embedding, norm, head; 9 per block
+    # bf16 gathers (forward + backward), fp32 reduce-scatter, the stacked fp32 gradient norms
+    assert fsdp.comm["dp_shard"]["bytes"] == 2 * params * 2 + params * 4 + 4 * grads + loop
+    assert fsdp.comm["dp_shard"]["calls"] == 3 * 3 + 1 + 3  # 3 units x (2 gathers + 1 reduce), norm, loop
+    bus = (2 * params * 2 + params * 4) / 2 + 4 * grads + loop  # nccl-tests bus factors on 2 ranks
+    assert fsdp.comm["dp_shard"]["seconds"] == pytest.approx(bus / 100e9)
     flops = flops_per_token_of(TINY, seq) * batch * seq / 2  # per rank
     assert fsdp.compute_s == pytest.approx(flops / (100e12 * 0.5))
     assert fsdp.tokens_per_sec_per_device == pytest.approx(batch * seq / fsdp.step_s / 2)
     assert fsdp.mfu == pytest.approx(flops_per_token_of(TINY, seq) * fsdp.tokens_per_sec_per_device / 100e12)
 
     tp = estimate(TINY, Layout(1, 1, 2, 1, micro_batch=2, microbatches=2), HW, seq, batch)  # 2 accumulated steps
-    assert tp.comm["tp"]["bytes"] == 8 * 2 * 2 * (2 * seq * 64 * 2)  # 8 per block, 2 blocks, 2 micro batches
+    activation = 2 * seq * 64 * 2  # a whole bf16 (micro batch, seq, d_model) tensor
+    sequence = 2 * 2 * (4 * 2 + 2) * activation  # gathers and scatters, 2 micro batches, 4 per block + embedding, head
+    loss = 3 * 2 * (2 * seq * 4)  # three fp32 per token, 2 micro batches
+    norms = 5 * 64 * 4  # the sequence-parallel norm weights' partial gradients, summed once
+    assert tp.comm["tp"]["bytes"] == sequence + loss + norms + 4 * grads + (2 * 8 + 4 + 4)  # SIGTERM per batch
     assert tp.comm["tp"]["exposed_s"] == tp.comm["tp"]["seconds"]
 
     one_f_one_b = estimate(TINY, Layout(1, 1, 1, 2, micro_batch=2, microbatches=4), HW, seq, batch)
     assert one_f_one_b.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
-    assert one_f_one_b.comm["pp"]["bytes"] == 2 * 4 * (2 * seq * 64 * 2)
+    # stage 0: 4 activations sent and 4 gradients received; the loss broadcast, the norm, the loop
+    assert one_f_one_b.comm["pp"]["bytes"] == 2 * 4 * activation + 4 + 4 + loop
     four = GPTConfig(vocab_size=256, n_layers=4, d_model=64, n_heads=4)  # 4 stages need 4 blocks
     interleaved = estimate(four, Layout(1, 1, 1, 2, 2, 4, "Interleaved1F1B", 2), HW, seq, batch)
     assert interleaved.bubble_fraction == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
+    assert interleaved.comm["pp"]["bytes"] == 3 * 2 * 4 * activation + 4 + 4 + loop  # stage 0: 3 boundaries
+    zbv = estimate(four, Layout(1, 1, 1, 2, 2, 4, "ZBVZeroBubble", 2), HW, seq, batch)
+    assert zbv.bubble_fraction == pytest.approx((1 / 3) / (8 + 1 / 3))  # weight gradients fill 2/3 of the idle
+    assert zbv.comm["pp"]["bytes"] == 2 * 2 * 4 * activation + 4 + 4 + loop  # the V's tip stays on rank 1
     full = estimate(TINY, Layout(1, 2, 1, 1, 4, 1, ac="full"), HW, seq, batch)
     assert full.compute_s == pytest.approx(fsdp.compute_s * 4 / 3)
     assert full.memory.activations < fsdp.memory.activations
@@ -72,7 +86,16 @@ def test_the_search_covers_the_layouts_the_model_allows() -> None:
     found = list(layouts(GPTConfig(n_layers=4, n_heads=4), world=8, global_batch=8, gpus_per_node=4, plan=PlanConfig()))
     assert all(lay.world == 8 and 4 % lay.tp == 0 for lay in found)  # tp inside a node of 4
     assert {(lay.pp, lay.tp) for lay in found} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
-    assert all(lay.microbatches >= lay.pp for lay in found if lay.pp > 1)
+    assert all(lay.microbatches >= lay.pp for lay in found if lay.schedule == "1F1B" and lay.pp > 1)
+    assert {lay.schedule for lay in found if lay.pp == 2} == {
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    }
     assert {lay.ac for lay in found} == {"none", "selective", "full"}
 
 

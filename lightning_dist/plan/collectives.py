@@ -1,0 +1,254 @@
+"""Every collective one rank issues in one optimizer step of a GPT layout, counted from the model's shapes.
+
+The same definitions as the telemetry's ``comm/<axis>/bytes`` and ``calls`` (nccl-tests' "size": the whole tensor
+of an all-gather / reduce-scatter / all-reduce, the message of a send or receive), so a CPU run of any layout
+measures exactly these numbers (``tests/distributed`` checks it per layout). What issues them, per step:
+
+- **FSDP2** (any data parallelism under the mesh strategy): per unit (a block; the rest of a stage: embedding,
+  final norm, head) an all-gather of its tp-local parameters in the compute dtype, dim 0 padded to a multiple of
+  ``dp_shard``, in the forward and again in the backward of every micro batch (pipeline stages keep them gathered:
+  one per step); one reduce-scatter of the gradients in the reduce dtype; with replicas, one all-reduce of the
+  reduced shard over ``dp_replicate`` (``dp_shard=1``: of the whole gradient, no all-gather). Under sequence
+  parallelism the norm weights' gradients are partial sums over tp: FSDP2 all-reduces each before its
+  reduce-scatter; without FSDP2 the strategy sums them in one all-reduce.
+- **TP with sequence parallelism** per micro batch: per block an all-gather before attention and MLP and a
+  reduce-scatter after them, in the forward and the backward (and the recomputed forward's); the vocabulary-
+  parallel embedding a reduce-scatter, the head an all-gather; the parallel loss three all-reduces of one fp32 per
+  token (max, sum of exponentials, target logit).
+- **PP** per microbatch and virtual stage: the activation received from the previous stage and sent to the next,
+  the gradient the other way (sequence-sharded under TP); the loss broadcast from the last stage per batch; the
+  gradient norm's square summed over the stages.
+- **Gradient norm** (mesh strategy): the per-tensor norms are stacked and all-reduced (fp32) over each axis that
+  shards a gradient.
+- **The loop**: Lightning's SIGTERM check (one 8-byte broadcast per batch), the step loss's ``sync_dist`` and the
+  preemption flag (4 bytes each per step) on the default group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from lightning_dist.models.gpt import GPTConfig
+
+REPORTED = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp", "pp": "pp", "world": "world", "other": "other"}
+DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20  # torch DDP's bucket_cap_mb and first bucket
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``calls`` calls of one op on one axis, each moving ``size`` bytes; ``what`` says who issues them."""
+
+    axis: str
+    op: str
+    size: int
+    calls: int
+    what: str
+
+    @property
+    def bytes(self) -> int:
+        return self.size * self.calls
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element: gathered parameters / activations, gradient reduction, and the master weights."""
+
+    compute: int = 2
+    reduce: int = 4
+    master: int = 4
+
+    @classmethod
+    def of(cls, precision: str) -> Dtypes:
+        """From Lightning's precision string: ``bf16-mixed`` (fp32 master weights, bf16 compute, fp32 reduction)."""
+        if precision in ("32-true", "32", "64-true"):
+            size = 8 if precision == "64-true" else 4
+            return cls(size, size, size)
+        if precision.endswith("-true"):
+            return cls(2, 2, 2)
+        return cls(2, 4, 4)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A parameter as one rank holds it before FSDP2: tp-local shape, and whether SP leaves its gradient partial."""
+
+    dim0: int
+    rest: int
+    partial_grad: bool = False
+
+    def padded(self, dp_shard: int) -> int:
+        return math.ceil(self.dim0 / dp_shard) * dp_shard * self.rest
+
+
+def block_tensors(cfg: GPTConfig, tp: int) -> list[Tensor]:
+    """One block's parameters, tp-local (q / k / v / gate / up column-parallel, o / down row-parallel)."""
+    h, f, hd = cfg.d_model, cfg.hidden_dim, cfg.head_dim
+    sp = tp > 1
+    if cfg.arch == "gpt2":  # LayerNorms and biases (a Megatron-style plan: our strategy's TP is llama-only)
+        kv = cfg.kv_heads * hd // tp
+        q = cfg.n_heads * hd // tp
+        return [Tensor(h, 1, sp), Tensor(h, 1, sp), Tensor(q, h), Tensor(q, 1), Tensor(kv, h), Tensor(kv, 1),
+                Tensor(kv, h), Tensor(kv, 1), Tensor(h, q), Tensor(h, 1, sp), Tensor(h, 1, sp), Tensor(h, 1, sp),
+                Tensor(f // tp, h), Tensor(f // tp, 1), Tensor(h, f // tp), Tensor(h, 1, sp)]  # fmt: skip
+    return [
+        Tensor(h, 1, sp),  # attention norm
+        Tensor(cfg.n_heads * hd // tp, h),
+        Tensor(cfg.kv_heads * hd // tp, h),
+        Tensor(cfg.kv_heads * hd // tp, h),
+        Tensor(h, cfg.n_heads * hd // tp),
+        Tensor(h, 1, sp),  # MLP norm
+        Tensor(f // tp, h),
+        Tensor(f // tp, h),
+        Tensor(h, f // tp),
+    ]
+
+
+def root_tensors(cfg: GPTConfig, tp: int, first: bool, last: bool, pp: int) -> list[Tensor]:
+    """The parameters outside the blocks that a stage holds: embedding(s) on the first, norm and head on the last."""
+    tensors = []
+    if first:
+        tensors.append(Tensor(cfg.vocab_size // tp, cfg.d_model))
+        if cfg.arch == "gpt2":
+            tensors.append(Tensor(cfg.max_seq_len, cfg.d_model))
+    if last:
+        tensors.append(Tensor(cfg.d_model, 1, tp > 1))
+        if cfg.arch == "gpt2":
+            tensors.append(Tensor(cfg.d_model, 1))
+        if not (cfg.tie_embeddings and pp == 1):  # tied across stages: a copy on the last one
+            tensors.append(Tensor(cfg.vocab_size // tp, cfg.d_model))
+    return tensors
+
+
+def stage_units(
+    cfg: GPTConfig, pp: int, stages_per_rank: int, schedule: str, stage: int
+) -> list[tuple[int, bool, bool]]:
+    """``(blocks, first, last)`` of each virtual stage pipeline rank ``stage`` holds, split as the strategy splits."""
+    from lightning_dist.parallel.pipeline import stage_ids
+    from lightning_dist.plan.cost import stage_blocks
+
+    total = pp * stages_per_rank
+    blocks = stage_blocks(cfg, total)
+    ids = stage_ids(stage, pp, stages_per_rank, schedule) if pp > 1 else [0]
+    return [(blocks[i], i == 0, i == total - 1) for i in ids]
+
+
+def _remote_neighbours(pp: int, stages_per_rank: int, schedule: str, stage: int) -> int:
+    """Stage boundaries rank ``stage`` talks across (a V schedule's two middle stages share a rank)."""
+    from lightning_dist.parallel.pipeline import stage_ids
+
+    total = pp * stages_per_rank
+    mine = set(stage_ids(stage, pp, stages_per_rank, schedule))
+    return sum(1 for i in mine for j in (i - 1, i + 1) if 0 <= j < total and j not in mine)
+
+
+def step_collectives(
+    cfg: GPTConfig,
+    layout: object,
+    seq_len: int,
+    precision: str = "bf16-mixed",
+    stage: int | None = None,
+    ddp: bool = False,
+    loop: bool = True,
+) -> list[Collective]:
+    """The collectives pipeline rank ``stage`` (default: the busiest) issues in one optimizer step of ``layout``.
+
+    Args:
+        cfg: The GPT.
+        layout: A :class:`lightning_dist.plan.cost.Layout`.
+        seq_len: Tokens per sample.
+        precision: Lightning's precision string (dtypes of gathers, reductions and activations).
+        stage: The rank's pp coordinate; ``None``: the first stage for pp <= 2, else the second (sends both ways).
+        ddp: Lightning's ``DDPStrategy`` (``parallelism=ddp``) instead of the mesh strategy's FSDP2.
+        loop: Count the training loop's scalars (Lightning's and ours) too.
+    """
+    lay, dt = layout, Dtypes.of(precision)
+    pp, tp, ds, dr = lay.pp, lay.tp, lay.dp_shard, lay.dp_replicate
+    stage = (0 if pp <= 2 else 1) if stage is None else stage
+    micro = lay.microbatches  # micro batches per step: pipeline microbatches, or accumulated batches
+    batches = 1 if pp > 1 else micro  # Lightning batches per optimizer step
+    units = stage_units(cfg, pp, lay.stages_per_rank, lay.schedule, stage)
+    blocks = sum(n for n, _, _ in units)
+    out: list[Collective] = []
+
+    def add(axis: str, op: str, size: float, calls: int, what: str) -> None:
+        if calls > 0:
+            out.append(Collective(axis, op, int(size), calls, what))
+
+    # The default group is reported as the one axis it spans, if it spans one.
+    degrees = {"dp_shard" if ds > 1 else "dp_replicate": dr * ds, "tp": tp, "pp": pp}
+    spanned = [axis for axis, size in degrees.items() if size > 1]
+    world = spanned[0] if len(spanned) == 1 else "world"
+    if lay.world > 1 and loop:
+        add(world, "broadcast", 8, batches, "Lightning: SIGTERM check, per batch")
+        add(world, "all_reduce", 4, 2, "train/loss sync_dist and the preemption flag, per step")
+
+    tensors = [t for n, first, last in units for t in [*root_tensors(cfg, tp, first, last, pp)]]
+    block = block_tensors(cfg, tp)
+    all_tensors = tensors + block * blocks
+    if ddp:
+        size = sum(t.dim0 * t.rest for t in all_tensors) * dt.reduce
+        buckets = 1 + math.ceil(max(0, size - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+        add("dp_replicate", "all_reduce", size / buckets, buckets, "DDP gradient buckets")
+        return out
+
+    # FSDP2: one unit per block, one for the rest of each stage.
+    unit_tensors = [block] * blocks + [root_tensors(cfg, tp, first, last, pp) for _, first, last in units]
+    unit_tensors = [u for u in unit_tensors if u]
+    if dr * ds > 1:
+        gathers = 1 if pp > 1 else 2 * micro
+        for tensors_ in unit_tensors:
+            padded = sum(t.padded(ds) for t in tensors_)
+            if ds > 1:
+                add("dp_shard", "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
+                add("dp_shard", "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
+            if dr > 1:
+                add("dp_replicate", "all_reduce", padded // ds * dt.reduce, 1, "FSDP2 gradients over replicas")
+            for t in tensors_:
+                if t.partial_grad:
+                    add("tp", "all_reduce", t.dim0 * t.rest * dt.compute, 1, "FSDP2: SP norm gradient")
+    elif tp > 1:
+        partial = sum(t.dim0 * t.rest for t in all_tensors if t.partial_grad)
+        add("tp", "all_reduce", partial * dt.master, 1 if partial else 0, "SP norm gradients (one coalesced)")
+
+    if tp > 1:
+        activation = lay.micro_batch * seq_len * cfg.d_model * dt.compute
+        # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops
+        # once every saved tensor is back, before the block's last reduce-scatter), selective as full: its policy
+        # keeps matmul and attention outputs, not collectives.
+        again = lay.ac in ("full", "selective")
+        ends = sum(1 for _, first, _ in units if first) + sum(1 for _, _, last in units if last)
+        lasts = sum(1 for _, _, last in units if last)
+        gathers, scatters = (4 + 2 * again) * blocks + ends, (4 + again) * blocks + ends
+        add("tp", "all_gather", activation, micro * gathers, "TP: sequence all-gathers")
+        add("tp", "reduce_scatter", activation, micro * scatters, "TP: sequence reduce-scatters")
+        add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
+
+    n_grads = len(all_tensors)
+    if dr * ds > 1 or tp > 1:
+        if ds > 1:
+            add("dp_shard", "all_reduce", 4 * n_grads, 1, "gradient norm")
+        if tp > 1:
+            add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
+
+    if pp > 1:
+        message = lay.micro_batch * seq_len * cfg.d_model * dt.compute // tp
+        sends = _remote_neighbours(pp, lay.stages_per_rank, lay.schedule, stage)
+        add("pp", "send", message, micro * sends, "PP: activations forward, gradients backward")
+        add("pp", "recv", message, micro * sends, "PP: activations and gradients received")
+        add("pp", "broadcast", 4, batches if loop else 0, "PP: loss from the last stage")
+        add("pp", "all_reduce", 4, 1, "gradient norm over stages")
+        if cfg.tie_embeddings and any(first or last for _, first, last in units):
+            add("pp" if pp == 2 else "other", "all_reduce", cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce, 1,
+                "tied embedding gradient")  # fmt: skip
+    return out
+
+
+def per_axis(collectives: list[Collective]) -> dict[str, dict[str, int]]:
+    """``{axis: {"bytes": ..., "calls": ...}}`` with the telemetry's axis names (``dp`` for both data axes)."""
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "calls": 0})
+    for c in collectives:
+        totals[REPORTED[c.axis]]["bytes"] += c.bytes
+        totals[REPORTED[c.axis]]["calls"] += c.calls
+    return dict(totals)

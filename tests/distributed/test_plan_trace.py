@@ -1,0 +1,48 @@
+"""The traced check: one rank stepped on fake tensors over the fake backend issues exactly the collectives the
+planner counts, and holds the gradient and AdamW bytes it predicts (the layout tests compare the same counts with
+real CPU runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import FAST, compose_config
+
+from lightning_dist.launch import launch
+
+LAYOUTS = {
+    "tp2xfsdp2": ["parallelism=tp_fsdp", "cluster.devices=4"],
+    "tp2-mb2": ["parallelism=tp", "cluster.devices=2", "data.micro_batch_size=2"],
+    "tp2xfsdp2-bf16": ["parallelism=tp_fsdp", "cluster.devices=4", "cluster.precision=bf16-mixed"],
+    "hsdp2x2-full": ["parallelism=fsdp", "cluster.devices=4", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+                     "parallelism.activation_checkpointing=full"],
+}  # fmt: skip
+
+
+def _trace_all(configs: dict[str, Any]) -> dict[str, Any]:
+    from lightning_dist.plan.trace import trace_rank
+
+    return {name: trace_rank(cfg, 0, step=True) for name, cfg in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[str, Any]:
+    configs = {name: compose_config([*FAST, *layout]) for name, layout in LAYOUTS.items()}
+    return {"configs": configs, "ranks": launch(_trace_all, 1, configs)[0]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_traced_rank_issues_the_planned_collectives(name: str, traced: dict[str, Any]) -> None:
+    from lightning_dist.app import build_parallel_dims
+    from lightning_dist.plan.collectives import per_axis, step_collectives
+    from lightning_dist.plan.cost import estimate
+    from lightning_dist.plan.estimate_run import layout_of
+
+    cfg, rank = traced["configs"][name], traced["ranks"][name]
+    layout = layout_of(cfg, build_parallel_dims(cfg))
+    planned = step_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0, loop=False)
+    assert rank.collectives == per_axis(planned)
+    memory = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size).memory
+    assert rank.param_bytes == pytest.approx(memory.params, rel=0.05)
+    assert rank.optimizer_bytes == pytest.approx(memory.optimizer, rel=0.05)
