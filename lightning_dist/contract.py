@@ -66,3 +66,14 @@ def module_hook(module: Any, name: str) -> Callable[..., Any] | None:
         raise KeyError(f"{name!r} is not a ParallelModule hook; the hooks are {sorted(HOOKS)}.")
     hook = getattr(module, name, None)
     return hook if callable(hook) else None
+
+
+def declared_blocks(module: Any) -> list[Any]:
+    """The blocks a module declares through ``pipeline_spec()`` (FSDP2 wraps them one by one); [] without one."""
+    from lightning_dist._compat import module_children
+
+    spec_fn = module_hook(module, "pipeline_spec")
+    if spec_fn is None:
+        return []
+    spec = spec_fn()
+    return list(module_children(spec.blocks(spec.model(module))).values())

@@ -48,3 +48,9 @@ def apply_fsdp(
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     for root in roots:
         fully_shard(root, reshard_after_forward=reshard_after_forward, **options)
+
+
+def param_dtype_of(precision: str) -> torch.dtype | None:
+    """FSDP2's parameter dtype for Lightning's precision string: bf16 / fp16 for ``*-mixed``, else ``None`` (keep
+    the parameter dtype)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)

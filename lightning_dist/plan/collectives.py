@@ -196,7 +196,13 @@ def step_collectives(
     # FSDP2: one unit per block, one for the rest of each stage.
     unit_tensors = [block] * blocks + [root_tensors(cfg, tp, first, last, pp) for _, first, last in units]
     unit_tensors = [u for u in unit_tensors if u]
-    if dr * ds > 1:
+    # FSDP2 computes in bf16 from bf16 parameters; without it, autocast leaves the embedding, the residual stream
+    # and the norm outputs in the fp32 of the parameters (only matmul outputs are bf16).
+    fsdp = dr * ds > 1
+    stream = dt.compute if fsdp else dt.master
+    # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
+    partial_bytes = dt.reduce if micro > 1 else dt.compute
+    if fsdp:
         gathers = 1 if pp > 1 else 2 * micro
         for tensors_ in unit_tensors:
             padded = sum(t.padded(ds) for t in tensors_)
@@ -207,22 +213,26 @@ def step_collectives(
                 add("dp_replicate", "all_reduce", padded // ds * dt.reduce, 1, "FSDP2 gradients over replicas")
             for t in tensors_:
                 if t.partial_grad:
-                    add("tp", "all_reduce", t.dim0 * t.rest * dt.compute, 1, "FSDP2: SP norm gradient")
+                    add("tp", "all_reduce", t.dim0 * t.rest * partial_bytes, 1, "FSDP2: SP norm gradient")
     elif tp > 1:
         partial = sum(t.dim0 * t.rest for t in all_tensors if t.partial_grad)
         add("tp", "all_reduce", partial * dt.master, 1 if partial else 0, "SP norm gradients (one coalesced)")
 
     if tp > 1:
-        activation = lay.micro_batch * seq_len * cfg.d_model * dt.compute
+        tokens = lay.micro_batch * seq_len * cfg.d_model  # elements of one whole (micro batch, seq, d_model) tensor
         # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops
         # once every saved tensor is back, before the block's last reduce-scatter), selective as full: its policy
         # keeps matmul and attention outputs, not collectives.
         again = lay.ac in ("full", "selective")
         ends = sum(1 for _, first, _ in units if first) + sum(1 for _, _, last in units if last)
         lasts = sum(1 for _, _, last in units if last)
-        gathers, scatters = (4 + 2 * again) * blocks + ends, (4 + again) * blocks + ends
-        add("tp", "all_gather", activation, micro * gathers, "TP: sequence all-gathers")
-        add("tp", "reduce_scatter", activation, micro * scatters, "TP: sequence reduce-scatters")
+        # The norm outputs gathered before attention and MLP (and again when recomputed), the head's input, and
+        # the embedding gradient move the stream dtype; the backward of the matmul outputs' reduce-scatters moves
+        # theirs. Reduce-scatters: matmul outputs (and again when recomputed) / the gradients of the gathers.
+        add("tp", "all_gather", tokens * stream, micro * ((2 + 2 * again) * blocks + ends), "TP: norm outputs")
+        add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
+        add("tp", "reduce_scatter", tokens * dt.compute, micro * (2 + again) * blocks, "TP: matmul outputs")
+        add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
         add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
 
     n_grads = len(all_tensors)
@@ -233,7 +243,7 @@ def step_collectives(
             add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
 
     if pp > 1:
-        message = lay.micro_batch * seq_len * cfg.d_model * dt.compute // tp
+        message = lay.micro_batch * seq_len * cfg.d_model * stream // tp
         sends = _remote_neighbours(pp, lay.stages_per_rank, lay.schedule, stage)
         add("pp", "send", message, micro * sends, "PP: activations forward, gradients backward")
         add("pp", "recv", message, micro * sends, "PP: activations and gradients received")

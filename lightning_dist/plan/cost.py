@@ -9,6 +9,7 @@ message of a send); time divides the bus bytes (size x nccl-tests' bus factor) b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -136,9 +137,15 @@ def _layer_costs(cfg: GPTConfig, pp: int) -> list[float]:
 
 
 def _split(cfg: GPTConfig, num_stages: int) -> list[list[int]]:
+    return _balanced_split(tuple(_layer_costs(cfg, 2)), num_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_split(costs: tuple[float, ...], num_stages: int) -> list[list[int]]:
+    """The strategy's split, cached: a search asks for the same model's split thousands of times."""
     from lightning_dist.parallel.pipeline import balanced_split
 
-    return balanced_split(_layer_costs(cfg, 2), num_stages)
+    return balanced_split(list(costs), num_stages)
 
 
 def estimate(

@@ -101,7 +101,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
     from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
     from lightning_dist.telemetry.throughput import model_state_bytes
 
-    if strategy.pipeline is not None:
+    if strategy.pipeline is not None:  # torch's schedule infers stage shapes from data (.item()): not fakeable
         raise ValueError("plan.trace steps whole-model layouts; a pipeline rank is traced for its parameters only.")
     micro = cfg.data.micro_batch_size or per_rank
     seq = cfg.data.seq_len

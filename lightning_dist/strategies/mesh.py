@@ -27,11 +27,12 @@ from typing_extensions import override
 
 from lightning_dist import _compat
 from lightning_dist import checkpoint as checkpoint_io
-from lightning_dist.contract import module_hook
+from lightning_dist.contract import declared_blocks, module_hook
 from lightning_dist.parallel import pipeline
 from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
+from lightning_dist.parallel.data import param_dtype_of
 from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.guard import allow_step
@@ -240,7 +241,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if dims.tp_enabled and check is not None:
             check(dims.tp, sequence_parallel=self.sequence_parallel)
         tp_plan = self._tensor_parallel_plan(module) if dims.tp_enabled else None
-        param_dtype = _compute_dtype(self.precision_plugin)
+        param_dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
                 module,
@@ -263,7 +264,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             module,
             dims,
             tp_plan=tp_plan,
-            fsdp_units=_fsdp_units(module),
+            fsdp_units=declared_blocks(module),
             activation_checkpointing=self.activation_checkpointing,
             ac_selective=self.ac_selective,
             compile=self.compile,
@@ -386,22 +387,3 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def pop_bubble_fraction(self) -> float | None:
         """This rank's pipeline idle fraction since the last call (``None`` without a pipeline or a step)."""
         return self._pipeline.bubble.pop_fraction() if self._pipeline is not None else None
-
-
-def _fsdp_units(module: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP2 wraps one by one: the module's pipeline block container, when it declares one."""
-    spec_fn = module_hook(module, "pipeline_spec")
-    if spec_fn is None:
-        return []
-    spec = spec_fn()
-    return list(_compat.module_children(spec.blocks(spec.model(module))).values())
-
-
-def _compute_dtype(precision_plugin: Any) -> torch.dtype | None:
-    """FSDP2's parameter dtype for Lightning's ``*-mixed`` precision (``None`` = keep the parameter dtype)."""
-    precision = str(getattr(precision_plugin, "precision", ""))
-    if precision == "bf16-mixed":
-        return torch.bfloat16
-    if precision == "16-mixed":
-        return torch.float16
-    return None

@@ -17,7 +17,7 @@ import torch
 from helpers import FAST, assert_planned, losses, run_app
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_dist.strategies.mesh import _compute_dtype
+from lightning_dist.parallel.data import param_dtype_of
 
 BF16 = ["cluster.precision=bf16-mixed"]
 
@@ -29,8 +29,13 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallelism=fsdp", "cluster.devices=2"], ["parallelism=tp_fsdp", "cluster.devices=4"]],
-    ids=["fsdp2", "tp2xfsdp2"],
+    [
+        ["parallelism=fsdp", "cluster.devices=2"],
+        ["parallelism=tp_fsdp", "cluster.devices=4"],
+        ["parallelism=tp", "cluster.devices=2"],  # autocast alone: fp32 residual stream, bf16 matmul outputs
+        ["parallelism=pp", "cluster.devices=2", "parallelism.microbatches=4"],
+    ],
+    ids=["fsdp2", "tp2xfsdp2", "tp2", "pp2"],
 )
 def test_bf16_layouts_match_one_process_bf16(layout: list[str], one_process: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *BF16, *layout], tmp_path)
@@ -40,6 +45,6 @@ def test_bf16_layouts_match_one_process_bf16(layout: list[str], one_process: dic
 
 
 def test_mixed_precision_maps_to_fsdp2_compute_dtypes() -> None:
-    assert _compute_dtype(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
-    assert _compute_dtype(MixedPrecision("16-mixed", "cpu")) == torch.float16
-    assert _compute_dtype(object()) is None  # 32-true: parameters keep their dtype
+    assert param_dtype_of(MixedPrecision("bf16-mixed", "cpu").precision) == torch.bfloat16
+    assert param_dtype_of(MixedPrecision("16-mixed", "cpu").precision) == torch.float16
+    assert param_dtype_of("32-true") is None  # parameters keep their dtype

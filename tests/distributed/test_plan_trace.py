@@ -13,7 +13,9 @@ from lightning_dist.launch import launch
 
 LAYOUTS = {
     "tp2xfsdp2": ["parallelism=tp_fsdp", "cluster.devices=4"],
-    "tp2-mb2": ["parallelism=tp", "cluster.devices=2", "data.micro_batch_size=2"],
+    "tp2-mb2-bf16": ["parallelism=tp", "cluster.devices=2", "data.micro_batch_size=2", "cluster.precision=bf16-mixed"],
+    "tp2xfsdp2-mb2-bf16": ["parallelism=tp_fsdp", "cluster.devices=4", "data.micro_batch_size=2",
+                           "cluster.precision=bf16-mixed"],
     "tp2xfsdp2-bf16": ["parallelism=tp_fsdp", "cluster.devices=4", "cluster.precision=bf16-mixed"],
     "hsdp2x2-full": ["parallelism=fsdp", "cluster.devices=4", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
                      "parallelism.activation_checkpointing=full"],

@@ -60,7 +60,10 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
 
     tp = estimate(TINY, Layout(1, 1, 2, 1, micro_batch=2, microbatches=2), HW, seq, batch)  # 2 accumulated steps
     activation = 2 * seq * 64 * 2  # a whole bf16 (micro batch, seq, d_model) tensor
-    sequence = 2 * 2 * (4 * 2 + 2) * activation  # gathers and scatters, 2 micro batches, 4 per block + embedding, head
+    # Without FSDP2, autocast keeps the residual stream fp32: per micro batch the norm outputs' all-gathers (2 per
+    # block, the head's input) and their gradients' reduce-scatters (and the embedding's) move fp32; the matmul
+    # outputs' reduce-scatters and their gradients' all-gathers (2 per block each) bf16.
+    sequence = 2 * ((2 * 2 + 2) * 2 * activation * 2 + 2 * 2 * 2 * activation)
     loss = 3 * 2 * (2 * seq * 4)  # three fp32 per token, 2 micro batches
     norms = 5 * 64 * 4  # the sequence-parallel norm weights' partial gradients, summed once
     assert tp.comm["tp"]["bytes"] == sequence + loss + norms + 4 * grads + (2 * 8 + 4 + 4)  # SIGTERM per batch
@@ -69,14 +72,15 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     one_f_one_b = estimate(TINY, Layout(1, 1, 1, 2, micro_batch=2, microbatches=4), HW, seq, batch)
     assert one_f_one_b.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     # stage 0: 4 activations sent and 4 gradients received; the loss broadcast, the norm, the loop
-    assert one_f_one_b.comm["pp"]["bytes"] == 2 * 4 * activation + 4 + 4 + loop
+    fp32 = 2 * activation  # no FSDP2: the stages pass the fp32 residual stream
+    assert one_f_one_b.comm["pp"]["bytes"] == 2 * 4 * fp32 + 4 + 4 + loop
     four = GPTConfig(vocab_size=256, n_layers=4, d_model=64, n_heads=4)  # 4 stages need 4 blocks
     interleaved = estimate(four, Layout(1, 1, 1, 2, 2, 4, "Interleaved1F1B", 2), HW, seq, batch)
     assert interleaved.bubble_fraction == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
-    assert interleaved.comm["pp"]["bytes"] == 3 * 2 * 4 * activation + 4 + 4 + loop  # stage 0: 3 boundaries
+    assert interleaved.comm["pp"]["bytes"] == 3 * 2 * 4 * fp32 + 4 + 4 + loop  # stage 0: 3 boundaries
     zbv = estimate(four, Layout(1, 1, 1, 2, 2, 4, "ZBVZeroBubble", 2), HW, seq, batch)
     assert zbv.bubble_fraction == pytest.approx((1 / 3) / (8 + 1 / 3))  # weight gradients fill 2/3 of the idle
-    assert zbv.comm["pp"]["bytes"] == 2 * 2 * 4 * activation + 4 + 4 + loop  # the V's tip stays on rank 1
+    assert zbv.comm["pp"]["bytes"] == 2 * 2 * 4 * fp32 + 4 + 4 + loop  # the V's tip stays on rank 1
     full = estimate(TINY, Layout(1, 2, 1, 1, 4, 1, ac="full"), HW, seq, batch)
     assert full.compute_s == pytest.approx(fsdp.compute_s * 4 / 3)
     assert full.memory.activations < fsdp.memory.activations
