@@ -149,7 +149,9 @@ class PlanConfig:
     max_pp: int = 16
     """Largest pipeline degree tried."""
     trace: bool = False
-    """Also trace one rank of the best layout on the fake backend and print its exact bytes."""
+    """Also trace one rank of the best layout on the fake backend: its exact bytes and collectives of one step."""
+    trace_memory: bool = False
+    """With ``trace``: follow the traced step's tensors with torch's MemTracker for its peak (slower: minutes)."""
     show_all: bool = False
     """The table includes layouts that do not fit."""
 

@@ -112,9 +112,8 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
 
 def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
     """``cfg`` set to run ``lay`` (the parallelism fields and the micro batch), e.g. to trace or train it."""
+    # The planner's replicas are the mesh strategy's (FSDP2 on a (dp_replicate, dp_shard=1) mesh), not Lightning's DDP.
     strategy = "pipeline_parallel" if lay.pp > 1 else ("tensor_parallel" if lay.tp > 1 else "fsdp")
-    if strategy == "fsdp" and lay.dp_shard == 1:
-        strategy = "ddp" if lay.dp_replicate > 1 else "fsdp"
     par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
                   tp=lay.tp, pp=lay.pp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
                   microbatches=lay.microbatches if lay.pp > 1 else None,
@@ -129,7 +128,7 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
     from lightning_dist.plan.collectives import per_axis, step_collectives
 
     lay = best.layout
-    traced = launch(_trace, 1, apply_layout(cfg, lay), lay.pp == 1)[0]
+    traced = launch(_trace, 1, apply_layout(cfg, lay), lay.pp == 1, cfg.plan.trace_memory)[0]
     memory = best.memory
     analytic = memory.params // 4
     print(f"traced rank 0 of the best layout on the fake backend ({lay.describe()}):")
@@ -138,8 +137,11 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
     if traced.collectives is None:
         print("  (a pipeline rank: traced for its parameters only, not stepped)")
         return
-    for name, got, want in (("gradient bytes", traced.grad_bytes, memory.grads),
-                            ("optimizer bytes", traced.optimizer_bytes, memory.optimizer)):  # fmt: skip
+    parts = [("gradient bytes", traced.grad_bytes, memory.grads), ("optimizer bytes", traced.optimizer_bytes,
+             memory.optimizer)]  # fmt: skip
+    if traced.peak_bytes:  # the planner's total without its allocator margin
+        parts.append(("peak bytes (MemTracker)", traced.peak_bytes, int(memory.total / (1 + memory.margin))))
+    for name, got, want in parts:
         print(f"  {name} {got:,}, analytic {want:,} ({(got - want) / want:+.2%})")
     planned = per_axis(step_collectives(cfg.model, lay, cfg.data.seq_len, "bf16-mixed", stage=0, loop=False))
     for axis in sorted(set(planned) | set(traced.collectives)):
@@ -148,10 +150,10 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
               f"analytic {want.get('bytes', 0):,} bytes in {want.get('calls', 0)} calls")  # fmt: skip
 
 
-def _trace(cfg: TrainConfig, step: bool) -> Any:
+def _trace(cfg: TrainConfig, step: bool, memory: bool) -> Any:
     from lightning_dist.plan.trace import trace_rank
 
-    return trace_rank(cfg, 0, step=step)
+    return trace_rank(cfg, 0, step=step, memory=memory)
 
 
 if __name__ == "__main__":

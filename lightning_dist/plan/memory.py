@@ -12,9 +12,11 @@ Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activat
 - ``selective`` (op) keeps only matmul / attention outputs and the block input: ``(3h + kv + 2f) / t + 2h``
   (the two row-parallel matmul outputs are partial sums over the whole sequence, before the reduce-scatter);
 - ``full`` keeps the block input ``h / t``, plus one block's whole set while it is recomputed;
-- the loss head: per token ``V / t`` logits, 16 bytes each at the peak of the loss's backward (the bf16 logits, the
-  fp32 log-softmax kept for backward, its fp32 gradient, the fp32 copy's gradient and the bf16 cast of it); at a
-  128K vocabulary this is the largest single term;
+- the loss head: per token ``V / t`` logits, 10 bytes each at the end of the loss's forward (the bf16 logits, their
+  fp32 copy and the fp32 log-softmax kept for backward; the backward frees the first two before it allocates). Measured,
+  not assumed: torch's ``MemTracker`` on fake tensors gives 10.5 bytes per logit for an 8B-wide GPT (the peak's change
+  with the vocabulary, model states taken off; ``tests/distributed/test_plan_trace.py``). At a 128K vocabulary this
+  is the largest single term;
 - a pipeline stage holds its blocks' activations for the microbatches in flight: 1 (no pipeline), ``min(m, pp)`` on
   the first stage of 1F1B-like schedules, all ``m`` for GPipe / LoopedBFS.
 
@@ -31,7 +33,7 @@ from lightning_dist.models.gpt import GPTConfig
 
 GIB = 2**30
 ACT_BYTES = 2  # bf16 activations (bf16-mixed)
-LOGIT_BYTES = 16  # per logit at the loss backward peak (see the module docstring)
+LOGIT_BYTES = 10  # per logit at the loss's peak: bf16 logits, fp32 copy, fp32 log-softmax (module docstring)
 STATE_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights, fp32 grads, AdamW m and v
 ALL_IN_FLIGHT = ("GPipe", "LoopedBFS")
 

@@ -48,7 +48,8 @@ class Published:
 _TT_MISS = (
     "torchtitan's H100s run at a 500 W power limit with HBM2e; the planner assumes the 700 W SXM peak (as "
     "torchtitan's own MFU does); memory: our activation and logit accounting is our GPT's (fp32 norm "
-    "copies, 16 bytes per logit at the loss backward), more than torchtitan's model keeps"
+    "copies, every matmul output kept by selective checkpointing where torchtitan's keeps every other one), more "
+    "than torchtitan's model keeps"
 )
 
 

@@ -35,14 +35,17 @@ class RankTrace:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     collectives: dict[str, dict[str, int]] | None = None  # axis -> {"bytes", "calls"}, per optimizer step
+    peak_bytes: int = 0  # the step's peak of live tensors (torch's MemTracker), when traced with memory=True
 
 
-def trace_rank(cfg: TrainConfig, rank: int, step: bool = False) -> RankTrace:
+def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = False) -> RankTrace:
     """Parallelize ``cfg``'s model as rank ``rank`` of its full world size would, without allocating it.
 
     The layout comes from ``cfg`` exactly as for training (``cluster.devices x cluster.num_nodes`` ranks); the data
     is not read, so a recipe naming files that are not on this machine traces too. ``step``: also run one
-    optimizer step on fake tensors and count its collectives, gradients and optimizer state.
+    optimizer step on fake tensors and count its collectives, gradients and optimizer state. ``memory``: also
+    follow every tensor the step creates with torch's ``MemTracker`` and report the peak of what is alive (slower:
+    minutes for an 8B model).
     """
     import torch.distributed as dist
     from lightning.pytorch.plugins.environments import LightningEnvironment
@@ -72,7 +75,7 @@ def trace_rank(cfg: TrainConfig, rank: int, step: bool = False) -> RankTrace:
         strategy._parallelize(module, materialize=False)
         pipeline = strategy.pipeline
         params = {id(p): p for p in module.parameters()}.values()
-        extra = _fake_step(cfg, strategy, module, mesh, per_rank) if step else {}
+        extra = _fake_step(cfg, strategy, module, mesh, per_rank, memory) if step else {}
         return RankTrace(
             rank=rank,
             coordinates=dims.coordinates(rank),
@@ -90,7 +93,7 @@ def _local(param: Any) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank: int) -> dict[str, Any]:
+def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank: int, memory: bool) -> dict[str, Any]:
     """One optimizer step of the parallelized ``module`` on fake tensors, its collectives counted."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import FSDPModule
@@ -112,10 +115,13 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
         batch = (tokens[:, :-1], tokens[:, 1:])
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        mem = _memory_tracker(module, optimizer, batch) if memory else None
         tracker.install()
         try:
             for index in range(per_rank // micro):
                 last = index == per_rank // micro - 1
+                if mem is not None and index:
+                    mem.reset_mod_stats()  # it follows each module once per step; the peak is kept
                 for unit in units:  # accumulate: FSDP2 reduces on the last micro batch only, as in training
                     unit.set_requires_gradient_sync(last, recurse=False)
                 with strategy.precision_plugin.forward_context(), strategy._loss_context():  # autocast, as Lightning
@@ -128,10 +134,30 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
             optimizer.step()
         finally:
             tracker.uninstall()
+            if mem is not None:
+                mem.__exit__(None, None, None)
         states = model_state_bytes(module, [optimizer])
+        peak = sum(v for k, v in mem.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).items()
+                   if k == "Total") if mem is not None else 0  # fmt: skip
     collectives: dict[str, dict[str, int]] = {}
     for (axis, _op), stats in tracker.snapshot().items():
         totals = collectives.setdefault(REPORTED.get(axis, axis), {"bytes": 0, "calls": 0})
         totals["bytes"] += stats.bytes
         totals["calls"] += stats.count
-    return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives}
+    return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives,
+            "peak_bytes": peak}  # fmt: skip
+
+
+def _memory_tracker(module: Any, optimizer: Any, batch: tuple[Any, ...]) -> Any:
+    """torch's ``MemTracker``, entered, with AdamW's state already created (the peak of a step after the first)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mem = MemTracker()
+    mem.track_external(module, optimizer, *batch)
+    mem.__enter__()
+    return mem

@@ -48,3 +48,24 @@ def test_traced_rank_issues_the_planned_collectives(name: str, traced: dict[str,
     memory = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size).memory
     assert rank.param_bytes == pytest.approx(memory.params, rel=0.05)
     assert rank.optimizer_bytes == pytest.approx(memory.optimizer, rel=0.05)
+
+
+WIDE = ["model.d_model=512", "model.n_heads=8", "model.max_seq_len=1024", "data.seq_len=1024", "cluster.devices=1",
+        "parallelism=fsdp", "data.global_batch_size=2", "cluster.precision=bf16-mixed", "model.n_layers=1"]  # fmt: skip
+
+
+def _peaks(configs: list[Any]) -> list[int]:
+    from lightning_dist.plan.trace import trace_rank
+
+    return [trace_rank(cfg, 0, step=True, memory=True).peak_bytes for cfg in configs]
+
+
+def test_the_planned_bytes_per_logit_are_what_torch_allocates() -> None:
+    """The peak's change with the vocabulary, the model states' share taken off, is the loss head's bytes per logit."""
+    from lightning_dist.plan.memory import LOGIT_BYTES
+
+    small, large = (compose_config([*FAST, *WIDE, f"model.vocab_size={v}"]) for v in (8192, 16384))
+    low, high = launch(_peaks, 1, [small, large])[0]
+    states = 2 * (16384 - 8192) * 512 * 16  # embedding and head rows: fp32 weights, gradients, AdamW moments
+    logits = 2 * 1024 * (16384 - 8192)
+    assert (high - low - states) / logits == pytest.approx(LOGIT_BYTES, rel=0.1)
