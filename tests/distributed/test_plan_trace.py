@@ -50,8 +50,16 @@ def test_traced_rank_issues_the_planned_collectives(name: str, traced: dict[str,
     assert rank.optimizer_bytes == pytest.approx(memory.optimizer, rel=0.05)
 
 
-WIDE = ["model.d_model=512", "model.n_heads=8", "model.max_seq_len=1024", "data.seq_len=1024", "cluster.devices=1",
-        "parallelism=fsdp", "data.global_batch_size=2", "cluster.precision=bf16-mixed", "model.n_layers=1"]  # fmt: skip
+WIDE = [
+    "model=llama_8b",
+    "model.max_seq_len=8192",
+    "data.seq_len=8192",
+    "cluster.devices=1",
+    "parallelism=fsdp",
+    "data.global_batch_size=2",
+    "cluster.precision=bf16-mixed",
+]  # Llama 3 8B's widths; fake tensors cost nothing
+TOKENS = 2 * 8192
 
 
 def _peaks(configs: list[Any]) -> list[int]:
@@ -60,12 +68,31 @@ def _peaks(configs: list[Any]) -> list[int]:
     return [trace_rank(cfg, 0, step=True, memory=True).peak_bytes for cfg in configs]
 
 
-def test_the_planned_bytes_per_logit_are_what_torch_allocates() -> None:
+@pytest.fixture(scope="module")
+def peaks() -> dict[str, int]:
+    """MemTracker's peak of one step of an 8B-wide GPT: the base, the vocabulary doubled, a second block."""
+    runs = {"base": ["model.vocab_size=8192", "model.n_layers=1"],
+            "vocab": ["model.vocab_size=16384", "model.n_layers=1"],
+            "block": ["model.vocab_size=8192", "model.n_layers=2"]}  # fmt: skip
+    configs = [compose_config([*FAST, *WIDE, *extra]) for extra in runs.values()]
+    return dict(zip(runs, launch(_peaks, 1, configs)[0]))
+
+
+def test_the_planned_bytes_per_logit_are_what_torch_allocates(peaks: dict[str, int]) -> None:
     """The peak's change with the vocabulary, the model states' share taken off, is the loss head's bytes per logit."""
     from lightning_dist.plan.memory import LOGIT_BYTES
 
-    small, large = (compose_config([*FAST, *WIDE, f"model.vocab_size={v}"]) for v in (8192, 16384))
-    low, high = launch(_peaks, 1, [small, large])[0]
-    states = 2 * (16384 - 8192) * 512 * 16  # embedding and head rows: fp32 weights, gradients, AdamW moments
-    logits = 2 * 1024 * (16384 - 8192)
-    assert (high - low - states) / logits == pytest.approx(LOGIT_BYTES, rel=0.1)
+    states = 2 * (16384 - 8192) * 4096 * 16  # embedding and head rows: fp32 weights, gradients, AdamW moments
+    logits = TOKENS * (16384 - 8192)
+    assert (peaks["vocab"] - peaks["base"] - states) / logits == pytest.approx(LOGIT_BYTES, rel=0.1)
+
+
+def test_the_planned_activations_of_a_block_are_what_torch_allocates(peaks: dict[str, int]) -> None:
+    """The peak's change with one more block, its model states taken off, is what the block keeps for backward."""
+    from lightning_dist.models.gpt import GPTConfig
+    from lightning_dist.plan.memory import ACT_BYTES, _block_params, block_activation_elements
+
+    cfg = GPTConfig(vocab_size=8192, n_layers=2, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336)
+    states = _block_params(cfg) * 16
+    measured = (peaks["block"] - peaks["base"] - states) / (TOKENS * ACT_BYTES)
+    assert measured == pytest.approx(block_activation_elements(cfg, 1, "none"), rel=0.05)
