@@ -14,7 +14,8 @@ Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activat
   8B-wide block (no checkpointing) keeps 113.9k elements per token, 111.6k by this formula
   (``tests/distributed/test_plan_trace.py``, within 5%);
 - ``selective`` (op) keeps only matmul / attention outputs and the block input: ``(3h + kv + 2f) / t + 2h``
-  (the two row-parallel matmul outputs are partial sums over the whole sequence, before the reduce-scatter);
+  (the o / down matmul outputs, under tp partial sums over the whole sequence before the reduce-scatter).
+  MemTracker: 52.0k elements per token for an 8B-wide block, 51.2k by this formula;
 - ``full`` keeps the block input ``h / t``, plus one block's whole set while it is recomputed;
 - the loss head: per token ``V / t`` logits, 10 bytes each at the end of the loss's forward (the bf16 logits, their
   fp32 copy and the fp32 log-softmax kept for backward; the backward frees the first two before it allocates). Measured,
@@ -81,7 +82,7 @@ def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str
     else:
         repeated = 2 * cfg.n_heads * cfg.head_dim - kv if cfg.kv_heads < cfg.n_heads else 0
         none = (13 * h + 1.5 * kv + 4 * f + repeated) / tp + gathered
-        op = (3 * h + kv + 2 * f) / tp + gathered
+        op = (3 * h + kv + 2 * f) / tp + 2 * h  # + the o / down outputs (whole partial sums under tp)
     if tp == 1:  # the norm outputs are the matmul inputs: counted once
         none -= 2 * h
     full = h / tp

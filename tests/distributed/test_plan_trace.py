@@ -71,9 +71,12 @@ def _peaks(configs: list[Any]) -> list[int]:
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
     """MemTracker's peak of one step of an 8B-wide GPT: the base, the vocabulary doubled, a second block."""
+    selective = ["parallelism.activation_checkpointing=selective", "data.global_batch_size=16"]  # activations dominate
     runs = {"base": ["model.vocab_size=8192", "model.n_layers=1"],
             "vocab": ["model.vocab_size=16384", "model.n_layers=1"],
-            "block": ["model.vocab_size=8192", "model.n_layers=2"]}  # fmt: skip
+            "block": ["model.vocab_size=8192", "model.n_layers=2"],
+            "selective": ["model.vocab_size=8192", "model.n_layers=1", *selective],
+            "selective_block": ["model.vocab_size=8192", "model.n_layers=2", *selective]}  # fmt: skip
     configs = [compose_config([*FAST, *WIDE, *extra]) for extra in runs.values()]
     return dict(zip(runs, launch(_peaks, 1, configs)[0]))
 
@@ -87,12 +90,15 @@ def test_the_planned_bytes_per_logit_are_what_torch_allocates(peaks: dict[str, i
     assert (peaks["vocab"] - peaks["base"] - states) / logits == pytest.approx(LOGIT_BYTES, rel=0.1)
 
 
-def test_the_planned_activations_of_a_block_are_what_torch_allocates(peaks: dict[str, int]) -> None:
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_the_planned_activations_of_a_block_are_what_torch_allocates(mode: str, peaks: dict[str, int]) -> None:
     """The peak's change with one more block, its model states taken off, is what the block keeps for backward."""
     from lightning_dist.models.gpt import GPTConfig
     from lightning_dist.plan.memory import ACT_BYTES, _block_params, block_activation_elements
 
     cfg = GPTConfig(vocab_size=8192, n_layers=2, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336)
     states = _block_params(cfg) * 16
-    measured = (peaks["block"] - peaks["base"] - states) / (TOKENS * ACT_BYTES)
-    assert measured == pytest.approx(block_activation_elements(cfg, 1, "none"), rel=0.05)
+    one, two = ("base", "block") if mode == "none" else ("selective", "selective_block")
+    tokens = TOKENS * (8 if mode == "selective" else 1)
+    measured = (peaks[two] - peaks[one] - states) / (tokens * ACT_BYTES)
+    assert measured == pytest.approx(block_activation_elements(cfg, 1, mode), rel=0.05)
