@@ -49,7 +49,8 @@ class ParallelismConfig:
     activation_checkpointing: str = "none"
     """none, full (every block recomputed in backward) or selective (see ac_selective); whole models and stages."""
     ac_selective: str = "op"
-    """selective: op (keep matmul / attention outputs, recompute the rest) or n (every n-th block fully)."""
+    """selective: op (keep matmul / attention outputs, recompute the rest), op_half (also recompute every second
+    matmul: torchtitan's policy) or n (every n-th block fully)."""
     compile: bool = False
     """torch.compile each block (after TP and activation checkpointing, before FSDP2); needs a C++ compiler on CPU."""
     cpu_offload: bool = False

@@ -5,8 +5,10 @@ Modes (``activation_checkpointing``):
 - ``none``: keep everything.
 - ``full``: every block keeps only its inputs and recomputes its forward during backward.
 - ``selective``: ``selective="op"`` keeps the outputs of matmuls and attention (the expensive ops) in every block and
-  recomputes the cheap ones (norms, activations, element-wise), as torchtitan's op-level SAC does;
-  ``selective="<n>"`` checkpoints every n-th block fully and keeps the others whole.
+  recomputes the cheap ones (norms, activations, element-wise); ``selective="op_half"`` also recomputes every second
+  matmul of a block, torchtitan's op-level policy (about 40% less activation memory than ``op`` for a Llama block,
+  for a third of its forward matmuls again); ``selective="<n>"`` checkpoints every n-th block fully and keeps the
+  others whole.
 
 A block's ``forward`` is replaced on the instance by a checkpointed call of the original, so module and parameter
 names do not change (plans, checkpoints and pipeline splits keep working). Applied after tensor parallelism (the
@@ -40,16 +42,17 @@ _SAVED_OPS = {
     )
     if hasattr(torch.ops.aten, name)
 }
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
 def check_mode(mode: str, selective: str) -> None:
     """Raise a one-line error for an unknown mode or selective option."""
     if mode not in MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is unknown; use one of {', '.join(MODES)}.")
-    if mode == "selective" and selective != "op" and not (selective.isdigit() and int(selective) >= 1):
+    if mode == "selective" and selective not in OP_POLICIES and not (selective.isdigit() and int(selective) >= 1):
         raise ValueError(
-            f"ac_selective={selective!r}: use 'op' (keep matmul outputs) or a block interval n >= 1 (every n-th "
-            "block fully checkpointed)."
+            f"ac_selective={selective!r}: use 'op' (keep matmul outputs), 'op_half' (keep every other matmul output) "
+            "or a block interval n >= 1 (every n-th block fully checkpointed)."
         )
 
 
@@ -64,10 +67,10 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, selec
             "blocks_attr names them), or set activation_checkpointing=none."
         )
     for index, block in enumerate(blocks):
-        if mode == "full" or (selective != "op" and index % int(selective) == 0):
+        if mode == "full" or (selective not in OP_POLICIES and index % int(selective) == 0):
             _checkpoint_forward(block, context_fn=None)
-        elif selective == "op":
-            _checkpoint_forward(block, context_fn=_keep_matmuls)
+        elif selective in OP_POLICIES:
+            _checkpoint_forward(block, context_fn=OP_POLICIES[selective])
 
 
 def _keep_matmuls() -> Any:
@@ -75,6 +78,25 @@ def _keep_matmuls() -> Any:
         return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def _keep_every_other_matmul() -> Any:
+    # One counter pair per checkpointed call (context_fn runs per call): the recomputation sees the same matmuls in
+    # the same order as its forward, so both decide alike, whatever other micro batches ran in between.
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+#: ``ac_selective`` values that choose an op-level policy.
+OP_POLICIES = {"op": _keep_matmuls, "op_half": _keep_every_other_matmul}
 
 
 def _checkpoint_forward(block: nn.Module, context_fn: Any) -> None:

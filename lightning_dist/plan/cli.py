@@ -96,7 +96,8 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
         table.add_row(
             str(i), str(lay.pp), str(lay.tp), f"{lay.dp_replicate} x {lay.dp_shard}",
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
-            str(lay.micro_batch), lay.ac, f"{e.memory.total / GIB:.1f}", f"{e.tokens_per_sec_per_device:,.0f}",
+            str(lay.micro_batch), lay.ac if lay.ac != "selective" else lay.ac_selective,
+            f"{e.memory.total / GIB:.1f}", f"{e.tokens_per_sec_per_device:,.0f}",
             f"{e.mfu:.1%}", f"{e.bubble_fraction:.2f}", comm, "yes" if e.fits else "no",
         )  # fmt: skip
     console = Console(width=160)
@@ -117,7 +118,7 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
     par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
                   tp=lay.tp, pp=lay.pp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
                   microbatches=lay.microbatches if lay.pp > 1 else None,
-                  activation_checkpointing=lay.ac)  # fmt: skip
+                  activation_checkpointing=lay.ac, ac_selective=lay.ac_selective)  # fmt: skip
     per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
     cluster = replace(cfg.cluster, devices=per_node, accelerator="cpu", precision="bf16-mixed")
     return replace(cfg, parallelism=par, cluster=cluster, data=replace(cfg.data, micro_batch_size=lay.micro_batch))

@@ -57,6 +57,7 @@ class Layout:
     schedule: str = "1F1B"
     stages_per_rank: int = 1
     ac: str = "none"
+    ac_selective: str = "op"  # for ac="selective": "op" (keep matmul outputs) or "op_half" (every other)
     tp_overlap: bool = False  # TP collectives overlapped with the matmuls (Megatron's --tp-comm-overlap, async TP)
     ddp: bool = False  # Lightning's DDPStrategy (parallelism=ddp) rather than the mesh strategy's replicas
 
@@ -166,12 +167,16 @@ def estimate(
     memory = estimate_memory(
         cfg, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch, tp=lay.tp, dp_shard=lay.dp_shard,
         pp=lay.pp, microbatches=lay.microbatches if lay.pp > 1 else 1, schedule=lay.schedule,
-        activation_checkpointing=lay.ac,
+        activation_checkpointing=lay.ac, ac_selective=lay.ac_selective,
     )  # fmt: skip
     flops_per_token = flops_per_token_of(cfg, seq_len)
     tokens = global_batch * seq_len
     compute_s = (
-        flops_per_token * tokens / lay.world * RECOMPUTE[lay.ac] / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+        flops_per_token
+        * tokens
+        / lay.world
+        * recompute_factor(cfg, lay, seq_len)
+        / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
     )
 
     dtypes = Dtypes.of(precision)
@@ -212,6 +217,17 @@ def estimate(
         mfu=flops_per_token * per_device / (hw.peak_tflops * 1e12),
         fits=memory.fits(hw.memory_gib, hw.context_gib),
     )
+
+
+def recompute_factor(cfg: GPTConfig, layout: Layout, seq_len: int) -> float:
+    """Compute of a step with activation recomputation over one without: ``op_half`` adds the forward of every
+    second matmul (k, o, up of a Llama block) to ``op``'s element-wise ops."""
+    factor = RECOMPUTE[layout.ac]
+    if layout.ac == "selective" and layout.ac_selective == "op_half":
+        h, hd = cfg.d_model, cfg.head_dim
+        again = 2 * cfg.n_layers * (h * cfg.kv_heads * hd + cfg.n_heads * hd * h + h * cfg.hidden_dim)
+        factor += again / flops_per_token_of(cfg, seq_len)
+    return factor
 
 
 def bubble_fraction(layout: Layout) -> float:

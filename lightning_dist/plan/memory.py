@@ -15,7 +15,8 @@ Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activat
   (``tests/distributed/test_plan_trace.py``, within 5%);
 - ``selective`` (op) keeps only matmul / attention outputs and the block input: ``(3h + kv + 2f) / t + 2h``
   (the o / down matmul outputs, under tp partial sums over the whole sequence before the reduce-scatter).
-  MemTracker: 52.0k elements per token for an 8B-wide block, 51.2k by this formula;
+  MemTracker: 52.0k elements per token for an 8B-wide block, 51.2k by this formula. ``op_half`` (torchtitan's
+  policy) keeps q, v, gate and down of the seven matmuls: ``(3h + kv / 2 + f) / t + h``, 32.6k measured, 31.7k;
 - ``full`` keeps the block input ``h / t``, plus one block's whole set while it is recomputed;
 - the loss head: per token ``V / t`` logits, 10 bytes each at the end of the loss's forward (the bf16 logits, their
   fp32 copy and the fp32 log-softmax kept for backward; the backward frees the first two before it allocates). Measured,
@@ -83,6 +84,7 @@ def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str
         repeated = 2 * cfg.n_heads * cfg.head_dim - kv if cfg.kv_heads < cfg.n_heads else 0
         none = (13 * h + 1.5 * kv + 4 * f + repeated) / tp + gathered
         op = (3 * h + kv + 2 * f) / tp + 2 * h  # + the o / down outputs (whole partial sums under tp)
+        op_half = (3 * h + kv / 2 + f) / tp + h  # q, v, gate, down (every other matmul), attention, input
     if tp == 1:  # the norm outputs are the matmul inputs: counted once
         none -= 2 * h
     full = h / tp
@@ -92,6 +94,8 @@ def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str
         return full
     if selective == "op":
         return op
+    if selective == "op_half" and cfg.arch != "gpt2":
+        return op_half
     every = int(selective)
     return (full + (every - 1) * none) / every
 
@@ -122,7 +126,7 @@ def estimate_memory(
         microbatches: Pipeline microbatches per step (pp only).
         schedule: Pipeline schedule name.
         activation_checkpointing: ``none``, ``full`` or ``selective``.
-        ac_selective: For ``selective``: ``op`` or ``<n>``.
+        ac_selective: For ``selective``: ``op``, ``op_half`` or ``<n>``.
         margin: Allocator fragmentation margin on the total.
     """
     tokens = micro_batch * seq_len

@@ -47,9 +47,7 @@ class Published:
 
 _TT_MISS = (
     "torchtitan's H100s run at a 500 W power limit with HBM2e; the planner assumes the 700 W SXM peak (as "
-    "torchtitan's own MFU does); memory: our activation and logit accounting is our GPT's (fp32 norm "
-    "copies, every matmul output kept by selective checkpointing where torchtitan's keeps every other one), more "
-    "than torchtitan's model keeps"
+    "torchtitan's own MFU does)"
 )
 
 
@@ -80,10 +78,10 @@ def _llama405b(dp: int, per_dp: int, tflops: float, known_miss: str | None = Non
 
 PUBLISHED: list[Published] = [
     Published("torchtitan Llama 3.1 8B, 8 H100, FSDP 8, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout(1, 8, 1, 1, micro_batch=2, microbatches=1, ac="selective"), 8192, 16, 5762, 82.4,
+              Layout(1, 8, 1, 1, 2, 1, ac="selective", ac_selective="op_half"), 8192, 16, 5762, 82.4,
               H100_GRAND_TETON, _TT_MISS),
     Published("torchtitan Llama 3.1 8B, 128 H100, FSDP 128, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout(1, 128, 1, 1, micro_batch=2, microbatches=1, ac="selective"), 8192, 256, 5605, 67.0,
+              Layout(1, 128, 1, 1, 2, 1, ac="selective", ac_selective="op_half"), 8192, 256, 5605, 67.0,
               H100_GRAND_TETON, _TT_MISS),
     Published("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, LBS 16, full AC, compile", TORCHTITAN_ASYNC_TP,
               LLAMA3_70B, Layout(1, 32, 8, 1, micro_batch=16, microbatches=1, ac="full"), 8192, 512, 597.3, None,

@@ -8,7 +8,7 @@ from lightning_dist.config import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.cost import Estimate, Layout, estimate
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "op_half"), ("full", "op"))
 
 
 def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, plan: PlanConfig) -> Iterator[Layout]:
@@ -21,7 +21,7 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
     - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp every schedule (GPipe,
       1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; 2 stages per rank for the
       multi-stage ones) where torch accepts the microbatches and the layers split evenly;
-    - activation checkpointing none, selective (op) and full.
+    - activation checkpointing none, selective (op: every matmul output kept; op_half: every other) and full.
     """
     for pp in _divisors(world):
         if pp > plan.max_pp or cfg.n_layers % pp:
@@ -39,8 +39,8 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
                         continue
                     steps = per_rank // micro
                     for schedule, v in _schedules(cfg, pp, steps):
-                        for ac in AC_MODES:
-                            yield Layout(replicate, shard, tp, pp, micro, steps, schedule, v, ac)
+                        for ac, selective in AC_MODES:
+                            yield Layout(replicate, shard, tp, pp, micro, steps, schedule, v, ac, selective)
 
 
 def rank(

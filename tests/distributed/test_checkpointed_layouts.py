@@ -23,6 +23,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ["parallelism=fsdp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
         ["parallelism=tp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
         [
+            "parallelism=fsdp",
+            "cluster.devices=2",
+            "parallelism.activation_checkpointing=selective",
+            "parallelism.ac_selective=op_half",
+        ],
+        [
+            "parallelism=pp",
+            "cluster.devices=2",
+            "parallelism.microbatches=4",
+            "parallelism.activation_checkpointing=selective",
+            "parallelism.ac_selective=op_half",
+        ],
+        [
             "parallelism=pp",
             "cluster.devices=2",
             "parallelism.microbatches=2",
@@ -30,7 +43,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "parallelism.ac_selective=2",
         ],
     ],
-    ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "pp2-every2"],
+    ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "fsdp2-op_half", "pp2-op_half", "pp2-every2"],
 )
 def test_checkpointed_layouts_match_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *layout], tmp_path)

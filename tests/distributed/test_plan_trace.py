@@ -76,7 +76,10 @@ def peaks() -> dict[str, int]:
             "vocab": ["model.vocab_size=16384", "model.n_layers=1"],
             "block": ["model.vocab_size=8192", "model.n_layers=2"],
             "selective": ["model.vocab_size=8192", "model.n_layers=1", *selective],
-            "selective_block": ["model.vocab_size=8192", "model.n_layers=2", *selective]}  # fmt: skip
+            "selective_block": ["model.vocab_size=8192", "model.n_layers=2", *selective],
+            "op_half": ["model.vocab_size=8192", "model.n_layers=1", *selective, "parallelism.ac_selective=op_half"],
+            "op_half_block": ["model.vocab_size=8192", "model.n_layers=2", *selective,
+                              "parallelism.ac_selective=op_half"]}  # fmt: skip
     configs = [compose_config([*FAST, *WIDE, *extra]) for extra in runs.values()]
     return dict(zip(runs, launch(_peaks, 1, configs)[0]))
 
@@ -90,7 +93,7 @@ def test_the_planned_bytes_per_logit_are_what_torch_allocates(peaks: dict[str, i
     assert (peaks["vocab"] - peaks["base"] - states) / logits == pytest.approx(LOGIT_BYTES, rel=0.1)
 
 
-@pytest.mark.parametrize("mode", ["none", "selective"])
+@pytest.mark.parametrize("mode", ["none", "selective", "op_half"])
 def test_the_planned_activations_of_a_block_are_what_torch_allocates(mode: str, peaks: dict[str, int]) -> None:
     """The peak's change with one more block, its model states taken off, is what the block keeps for backward."""
     from lightning_dist.models.gpt import GPTConfig
@@ -98,7 +101,10 @@ def test_the_planned_activations_of_a_block_are_what_torch_allocates(mode: str, 
 
     cfg = GPTConfig(vocab_size=8192, n_layers=2, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336)
     states = _block_params(cfg) * 16
-    one, two = ("base", "block") if mode == "none" else ("selective", "selective_block")
-    tokens = TOKENS * (8 if mode == "selective" else 1)
+    one, two = {"none": ("base", "block")}.get(mode, (mode, f"{mode}_block"))
+    tokens = TOKENS * (1 if mode == "none" else 8)
     measured = (peaks[two] - peaks[one] - states) / (tokens * ACT_BYTES)
-    assert measured == pytest.approx(block_activation_elements(cfg, 1, mode), rel=0.05)
+    planned = block_activation_elements(
+        cfg, 1, *(("none",) if mode == "none" else ("selective", mode.replace("selective", "op")))
+    )
+    assert measured == pytest.approx(planned, rel=0.05)

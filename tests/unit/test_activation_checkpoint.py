@@ -80,7 +80,7 @@ def test_saved_activation_bytes_fall_as_expected(runs) -> None:
 def test_unknown_modes_are_one_line_errors() -> None:
     with pytest.raises(ValueError, match=r"activation_checkpointing='half' is unknown; use one of none, full"):
         apply_activation_checkpointing([], "half")
-    with pytest.raises(ValueError, match=r"ac_selective='0': use 'op'"):
+    with pytest.raises(ValueError, match=r"ac_selective='0': use 'op' \(keep matmul outputs\), 'op_half'"):
         apply_activation_checkpointing([], "selective", "0")
     with pytest.raises(ValueError, match=r"needs the model's blocks: define pipeline_spec"):
         apply_activation_checkpointing([], "full")
