@@ -29,8 +29,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_dist.models.gpt import GPTConfig
+
+if TYPE_CHECKING:  # cost.py imports this module
+    from lightning_dist.plan.cost import Layout
 
 REPORTED = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp", "pp": "pp", "world": "world", "other": "other"}
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20  # torch DDP's bucket_cap_mb and first bucket
@@ -145,14 +149,14 @@ def _remote_neighbours(pp: int, stages_per_rank: int, schedule: str, stage: int)
 
 def step_collectives(
     cfg: GPTConfig,
-    layout: object,
+    layout: Layout,
     seq_len: int,
     precision: str = "bf16-mixed",
     stage: int | None = None,
     ddp: bool = False,
     loop: bool = True,
 ) -> list[Collective]:
-    """The collectives pipeline rank ``stage`` (default: the busiest) issues in one optimizer step of ``layout``.
+    """The collectives pipeline rank ``stage`` issues in one optimizer step of ``layout``.
 
     Args:
         cfg: The GPT.
@@ -184,9 +188,9 @@ def step_collectives(
         add(world, "broadcast", 8, batches, "Lightning: SIGTERM check, per batch")
         add(world, "all_reduce", 4, 2, "train/loss sync_dist and the preemption flag, per step")
 
-    tensors = [t for n, first, last in units for t in [*root_tensors(cfg, tp, first, last, pp)]]
+    roots = [root_tensors(cfg, tp, first, last, pp) for _, first, last in units]
     block = block_tensors(cfg, tp)
-    all_tensors = tensors + block * blocks
+    all_tensors = [t for root in roots for t in root] + block * blocks
     if ddp:
         size = sum(t.dim0 * t.rest for t in all_tensors) * dt.reduce
         buckets = 1 + math.ceil(max(0, size - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
@@ -194,8 +198,7 @@ def step_collectives(
         return out
 
     # FSDP2: one unit per block, one for the rest of each stage.
-    unit_tensors = [block] * blocks + [root_tensors(cfg, tp, first, last, pp) for _, first, last in units]
-    unit_tensors = [u for u in unit_tensors if u]
+    unit_tensors = [block] * blocks + [root for root in roots if root]
     # FSDP2 computes in bf16 from bf16 parameters; without it, autocast leaves the embedding, the residual stream
     # and the norm outputs in the fp32 of the parameters (only matmul outputs are bf16).
     fsdp = dr * ds > 1
@@ -221,17 +224,17 @@ def step_collectives(
     if tp > 1:
         tokens = lay.micro_batch * seq_len * cfg.d_model  # elements of one whole (micro batch, seq, d_model) tensor
         # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops
-        # once every saved tensor is back, before the block's last reduce-scatter), selective as full: its policy
-        # keeps matmul and attention outputs, not collectives.
-        again = lay.ac in ("full", "selective")
+        # once every saved tensor is back, before the block's last reduce-scatter); the op-level policies too: they
+        # keep matmul and attention outputs, not collectives. ac_selective=<n> checkpoints every n-th block.
+        again = recomputed_blocks(lay, blocks) / blocks if blocks else 0
         ends = sum(1 for _, first, _ in units if first) + sum(1 for _, _, last in units if last)
         lasts = sum(1 for _, _, last in units if last)
         # The norm outputs gathered before attention and MLP (and again when recomputed), the head's input, and
         # the embedding gradient move the stream dtype; the backward of the matmul outputs' reduce-scatters moves
         # theirs. Reduce-scatters: matmul outputs (and again when recomputed) / the gradients of the gathers.
-        add("tp", "all_gather", tokens * stream, micro * ((2 + 2 * again) * blocks + ends), "TP: norm outputs")
+        add("tp", "all_gather", tokens * stream, micro * round((2 + 2 * again) * blocks + ends), "TP: norm outputs")
         add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
-        add("tp", "reduce_scatter", tokens * dt.compute, micro * (2 + again) * blocks, "TP: matmul outputs")
+        add("tp", "reduce_scatter", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
         add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
         add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
 
@@ -253,6 +256,15 @@ def step_collectives(
             add("pp" if pp == 2 else "other", "all_reduce", cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce, 1,
                 "tied embedding gradient")  # fmt: skip
     return out
+
+
+def recomputed_blocks(layout: Layout, blocks: int) -> int:
+    """Blocks of a stage whose forward runs again in the backward under the layout's activation checkpointing."""
+    if layout.ac == "none":
+        return 0
+    if layout.ac == "full" or layout.ac_selective in ("op", "op_half"):
+        return blocks
+    return math.ceil(blocks / int(layout.ac_selective))  # blocks 0, n, 2n, ... of the stage
 
 
 def per_axis(collectives: list[Collective]) -> dict[str, dict[str, int]]:
