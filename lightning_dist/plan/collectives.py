@@ -86,10 +86,10 @@ class Tensor:
         return math.ceil(self.dim0 / dp_shard) * dp_shard * self.rest
 
 
-def block_tensors(cfg: GPTConfig, tp: int) -> list[Tensor]:
+def block_tensors(cfg: GPTConfig, tp: int, sequence_parallel: bool = True) -> list[Tensor]:
     """One block's parameters, tp-local (q / k / v / gate / up column-parallel, o / down row-parallel)."""
     h, f, hd = cfg.d_model, cfg.hidden_dim, cfg.head_dim
-    sp = tp > 1
+    sp = tp > 1 and sequence_parallel  # norms on sequence shards: partial weight gradients
     if cfg.arch == "gpt2":  # LayerNorms and biases (a Megatron-style plan: our strategy's TP is llama-only)
         kv = cfg.kv_heads * hd // tp
         q = cfg.n_heads * hd // tp
@@ -109,7 +109,9 @@ def block_tensors(cfg: GPTConfig, tp: int) -> list[Tensor]:
     ]
 
 
-def root_tensors(cfg: GPTConfig, tp: int, first: bool, last: bool, pp: int) -> list[Tensor]:
+def root_tensors(
+    cfg: GPTConfig, tp: int, first: bool, last: bool, pp: int, sequence_parallel: bool = True
+) -> list[Tensor]:
     """The parameters outside the blocks that a stage holds: embedding(s) on the first, norm and head on the last."""
     tensors = []
     if first:
@@ -117,7 +119,7 @@ def root_tensors(cfg: GPTConfig, tp: int, first: bool, last: bool, pp: int) -> l
         if cfg.arch == "gpt2":
             tensors.append(Tensor(cfg.max_seq_len, cfg.d_model))
     if last:
-        tensors.append(Tensor(cfg.d_model, 1, tp > 1))
+        tensors.append(Tensor(cfg.d_model, 1, tp > 1 and sequence_parallel))
         if cfg.arch == "gpt2":
             tensors.append(Tensor(cfg.d_model, 1))
         if not (cfg.tie_embeddings and pp == 1):  # tied across stages: a copy on the last one
@@ -188,8 +190,9 @@ def step_collectives(
         add(world, "broadcast", 8, batches, "Lightning: SIGTERM check, per batch")
         add(world, "all_reduce", 4, 2, "train/loss sync_dist and the preemption flag, per step")
 
-    roots = [root_tensors(cfg, tp, first, last, pp) for _, first, last in units]
-    block = block_tensors(cfg, tp)
+    sp = lay.sequence_parallel
+    roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]
+    block = block_tensors(cfg, tp, sp)
     all_tensors = [t for root in roots for t in root] + block * blocks
     if ddp:
         size = sum(t.dim0 * t.rest for t in all_tensors) * dt.reduce
@@ -232,11 +235,27 @@ def step_collectives(
         # The norm outputs gathered before attention and MLP (and again when recomputed), the head's input, and
         # the embedding gradient move the stream dtype; the backward of the matmul outputs' reduce-scatters moves
         # theirs. Reduce-scatters: matmul outputs (and again when recomputed) / the gradients of the gathers.
-        add("tp", "all_gather", tokens * stream, micro * round((2 + 2 * again) * blocks + ends), "TP: norm outputs")
-        add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
-        add("tp", "reduce_scatter", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
-        add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
-        add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
+        if sp:
+            add("tp", "all_gather", tokens * stream, micro * round((2 + 2 * again) * blocks + ends), "TP: norm outputs")
+            add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
+            add("tp", "reduce_scatter", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
+            add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
+        else:  # replicated activations: all-reduces of the row-parallel outputs and the column-parallel inputs' grads
+            firsts = ends - lasts
+            add("tp", "all_reduce", tokens * stream, micro * firsts, "TP: embedding output")
+            add("tp", "all_reduce", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
+            add(
+                "tp",
+                "all_reduce",
+                tokens * stream,
+                micro * (5 * blocks + lasts),
+                "TP: gradients of q/k/v/gate/up/head inputs",
+            )
+        if lay.loss_parallel:
+            add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
+        else:
+            logits = lay.micro_batch * seq_len * cfg.vocab_size * dt.compute
+            add("tp", "all_gather", logits, micro * lasts, "TP: the head's logits gathered")
 
     n_grads = len(all_tensors)
     if dr * ds > 1 or tp > 1:

@@ -60,6 +60,8 @@ class Layout:
     ac_selective: str = "op"  # for ac="selective": "op" (keep matmul outputs) or "op_half" (every other)
     tp_overlap: bool = False  # TP collectives overlapped with the matmuls (Megatron's --tp-comm-overlap, async TP)
     ddp: bool = False  # Lightning's DDPStrategy (parallelism=ddp) rather than the mesh strategy's replicas
+    sequence_parallel: bool = True  # TP shards norms and the residual stream along the sequence
+    loss_parallel: bool = True  # TP keeps the logits vocabulary-sharded into the loss
 
     @property
     def world(self) -> int:

@@ -25,7 +25,8 @@ def layout_of(cfg: TrainConfig, dims: Any) -> Layout:
     schedule = par.schedule if dims.pp > 1 else "1F1B"
     degrees = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
     return Layout(*degrees, micro, per_rank // micro, schedule, par.stages_per_rank, par.activation_checkpointing,
-                  ac_selective=par.ac_selective, ddp=par.strategy == "ddp")  # fmt: skip
+                  ac_selective=par.ac_selective, ddp=par.strategy == "ddp",
+                  sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel)  # fmt: skip
 
 
 def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> dict[str, list[Any]] | None:

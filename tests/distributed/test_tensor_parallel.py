@@ -59,8 +59,7 @@ def assert_same_run(result: dict, reference: dict) -> None:
 def test_layout_matches_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *WITH_VAL, *layout, f"trainer.max_steps={STEPS}"], tmp_path)
     assert_same_run(result, reference)
-    if "parallelism.sequence_parallel=false" not in layout:  # the planner counts the sequence-parallel plan
-        assert_planned(result)
+    assert_planned(result)
 
 
 def test_one_process_reference_is_plain_lightning(reference: dict, tmp_path: Path) -> None:
