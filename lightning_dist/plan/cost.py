@@ -27,7 +27,8 @@ TP_OVERLAP = 0.8  # fraction of TP communication hidden where it is overlapped w
 RECOMPUTE = {"none": 1.0, "selective": 1.03, "full": 4 / 3}  # compute with activation recomputation (6N -> 8N full)
 ASSUMPTIONS = [
     f"compute: the PaLM FLOPs per token (6N + 12 L H Q T) at hardware.compute_efficiency of peak; recomputation "
-    f"multiplies it by {RECOMPUTE['selective']} (selective, element-wise ops) or {RECOMPUTE['full']:.2f} (full: one "
+    f"multiplies it by {RECOMPUTE['selective']} (selective op: element-wise ops; op_half adds the forward of every "
+    f"second matmul, from the shapes) or {RECOMPUTE['full']:.2f} (full: one "
     "more forward)",
     "communication: every collective a rank issues per step, counted from the model's shapes "
     "(lightning_dist.plan.collectives: FSDP2 gathers / reductions per unit, TP sequence all-gathers / "

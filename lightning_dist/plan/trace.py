@@ -13,6 +13,7 @@ Run it in a fresh process (it initializes ``torch.distributed``), e.g. with :fun
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
     from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
     from lightning_dist.telemetry.throughput import model_state_bytes
 
-    if strategy.pipeline is not None:  # torch's schedule infers stage shapes from data (.item()): not fakeable
+    if strategy.pipeline is not None:  # the schedule's P2P warm-up vote reads a tensor (.item()): not fakeable
         raise ValueError("plan.trace steps whole-model layouts; a pipeline rank is traced for its parameters only.")
     micro = cfg.data.micro_batch_size or per_rank
     seq = cfg.data.seq_len
@@ -116,8 +117,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         batch = (tokens[:, :-1], tokens[:, 1:])
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         mem = _memory_tracker(module, optimizer, batch) if memory else None
-        tracker.install()
-        try:
+        with tracker, mem if mem is not None else contextlib.nullcontext():
             for index in range(per_rank // micro):
                 last = index == per_rank // micro - 1
                 if mem is not None and index:
@@ -132,13 +132,8 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
             pp_group = strategy.parallel_dims.group("pp") if strategy.parallel_dims.pp_enabled else None
             clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val, pp_group)
             optimizer.step()
-        finally:
-            tracker.uninstall()
-            if mem is not None:
-                mem.__exit__(None, None, None)
         states = model_state_bytes(module, [optimizer])
-        peak = sum(v for k, v in mem.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).items()
-                   if k == "Total") if mem is not None else 0  # fmt: skip
+        peak = mem.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0) if mem is not None else 0
     collectives: dict[str, dict[str, int]] = {}
     for (axis, _op), stats in tracker.snapshot().items():
         totals = collectives.setdefault(REPORTED.get(axis, axis), {"bytes": 0, "calls": 0})
@@ -149,7 +144,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
 
 
 def _memory_tracker(module: Any, optimizer: Any, batch: tuple[Any, ...]) -> Any:
-    """torch's ``MemTracker``, entered, with AdamW's state already created (the peak of a step after the first)."""
+    """torch's ``MemTracker`` following ``module``, with AdamW's state already created (a later step's peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -159,5 +154,4 @@ def _memory_tracker(module: Any, optimizer: Any, batch: tuple[Any, ...]) -> Any:
     optimizer.zero_grad(set_to_none=True)
     mem = MemTracker()
     mem.track_external(module, optimizer, *batch)
-    mem.__enter__()
     return mem
