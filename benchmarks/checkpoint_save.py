@@ -60,9 +60,9 @@ def saves(folder: Path, num_saves: int, asynchronous: bool) -> dict:
 
 def restart_time(folder: Path) -> float:
     """Seconds from SIGKILL of a rank to the restarted job's first published checkpoint."""
-    from lightning_dist.checkpoint import latest_checkpoint
+    from lightning_dist.checkpoint.store import latest_checkpoint
 
-    command = [sys.executable, "-m", "lightning_dist.train", "logger=none", "trainer.max_steps=300",
+    command = [sys.executable, "-m", "lightning_dist.run.train", "logger=none", "trainer.max_steps=300",
                "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=1", "trainer.max_restarts=1",
                f"output_dir={folder}"]  # fmt: skip
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -72,7 +72,7 @@ class _Probe(pl.Callback):
 def _fit(cfg, warmup: int, exact_memory: bool) -> dict:
     import ctypes
 
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     if exact_memory:  # RSS follows live tensors (see tests/distributed/test_meta_init.py), at a cost in step time
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
@@ -96,7 +96,7 @@ def main() -> None:
 
     from helpers import compose_config
 
-    from lightning_dist.launch import launch
+    from lightning_dist.run.launch import launch
 
     rows, base = [], None
     model = [f"model.d_model={args.d_model}" if item.startswith("model.d_model=") else item for item in MODEL]

@@ -54,9 +54,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_dist.launch import free_port
 from lightning_dist.parallel.bubble import BubbleTimer, theoretical_bubble
 from lightning_dist.parallel.pipeline import build_schedule, stage_ids
+from lightning_dist.run.launch import free_port
 
 P = 2
 CASES = [

@@ -77,7 +77,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import Telemetry
 
 

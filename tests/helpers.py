@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_dist.config import TrainConfig, register_configs, to_train_config
+from lightning_dist.config.schema import TrainConfig, register_configs, to_train_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "lightning_dist" / "conf"
 
@@ -51,7 +51,7 @@ def compose_config(overrides: list[str], output_dir: Path | str | None = None) -
 
 def run_app(overrides: list[str], output_dir: Path) -> dict[str, Any]:
     """Run the training app in-process (it spawns the ranks) and return rank 0's summary."""
-    from lightning_dist.train import run
+    from lightning_dist.run.train import run
 
     return run(compose_config(overrides, output_dir))
 

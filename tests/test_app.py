@@ -61,7 +61,7 @@ def test_bad_input_is_one_clear_line(
     """The console entry point, called in this process (an interpreter start per case would cost seconds each)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from lightning_dist.train import main
+    from lightning_dist.run.train import main
 
     GlobalHydra.instance().clear()  # hydra.main initializes its own
     monkeypatch.chdir(tmp_path)

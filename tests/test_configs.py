@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import CONF_DIR, compose_config
 
-from lightning_dist.app import build_parallel_dims
+from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.models.gpt import GPT
 
 GROUPS = {
@@ -64,7 +64,7 @@ def test_data_and_logger_groups_compose(data: str, logger: str) -> None:
 
 
 def test_custom_and_hf_models_compose_to_their_configs() -> None:
-    from lightning_dist.config import HFModelConfig, TargetConfig
+    from lightning_dist.config.schema import HFModelConfig, TargetConfig
 
     cfg = compose_config(["model=custom", "model._target_=mypkg.MyModule", "+model.width=16", "data=custom",
                           "data._target_=mypkg.MyData", "+data.batch_size=4"])  # fmt: skip

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_dist.reproduce import GOLDEN_DIR, compare, main
+from lightning_dist.run.reproduce import GOLDEN_DIR, compare, main
 
 
 def test_a_cpu_recipe_reproduces_its_golden_file(tmp_path, capsys) -> None:
@@ -34,7 +34,7 @@ def test_a_doctored_golden_file_fails_on_the_check_it_breaks(tmp_path, monkeypat
     assert not {c: ok for c, _, _, ok in compare(golden, measured)}["loss, 12 steps (resumed at half)"]
     path = tmp_path / "doctored.json"
     path.write_text(json.dumps(golden))
-    monkeypatch.setattr("lightning_dist.reproduce.measure", lambda *args, **kwargs: {**measured, "wall_s": 0.0})
+    monkeypatch.setattr("lightning_dist.run.reproduce.measure", lambda *args, **kwargs: {**measured, "wall_s": 0.0})
     with pytest.raises(SystemExit) as exited:
         main(["tiny_ddp_cpu", "--steps", "12", "--golden", str(path)])
     assert exited.value.code == 1

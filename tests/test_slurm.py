@@ -38,7 +38,7 @@ def test_a_submitted_job_runs_one_rank_per_task_in_one_folder(tmp_path: Path) ->
 
 @pytest.mark.slow  # the launcher config's fields: tests/unit/test_cluster.py::test_the_sweep_launcher_reads_the_cluster
 def test_a_sweep_becomes_one_job_per_point(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "lightning_dist.train", "-m", "hydra/launcher=slurm_local", *RUN, *LOCAL_SLURM,
+    command = [sys.executable, "-m", "lightning_dist.run.train", "-m", "hydra/launcher=slurm_local", *RUN, *LOCAL_SLURM,
                f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,3e-3"]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

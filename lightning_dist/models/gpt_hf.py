@@ -1,6 +1,6 @@
 """The built-in GPT in HuggingFace's names: ``arch=llama`` as ``LlamaForCausalLM``, ``gpt2`` as ``GPT2LMHeadModel``.
 
-Only names, shapes and configs here (no I/O, no distributed code): :mod:`lightning_dist.export` streams tensors
+Only names, shapes and configs here (no I/O, no distributed code): :mod:`lightning_dist.checkpoint.export` streams tensors
 through these maps, and ``init_from`` reads HuggingFace weights back through the inverse one.
 
 Our RoPE rotates the pairs ``(x[i], x[i + D/2])`` like transformers' ``rotate_half``, so the Llama query and key

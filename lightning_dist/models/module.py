@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_dist.config import OptimConfig
+from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.parallel.pipeline import PipelineSpec
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.data import apply_fsdp
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -16,17 +18,14 @@ from lightning_dist.parallel_dims import ParallelDims
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
+    options: ParallelOptions,
     *,
     tp_plan: TensorParallelPlan | None = None,
     fsdp_units: Sequence[nn.Module] = (),
     fsdp_roots: Sequence[nn.Module] | None = None,
-    activation_checkpointing: str = "none",
-    ac_selective: str = "op",
-    compile: bool = False,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-) -> dict[str, str]:
+) -> Parallelized:
     """Apply TP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
@@ -35,21 +34,17 @@ def parallelize(
     Args:
         module: The module to parallelize; plan patterns are relative to it.
         dims: The layout; its mesh must be built.
+        options: How each axis works: activation checkpointing, compile and CPU offload are read here.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
         fsdp_units: The model's blocks, in execution order: activation checkpointing applies to them, and FSDP2
             wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
             ``module`` holding parameters outside the units (a LightningModule itself is never wrapped).
-        activation_checkpointing: ``none``, ``full`` or ``selective`` (see
-            :mod:`lightning_dist.parallel.activation_checkpoint`).
-        ac_selective: For ``selective``: ``"op"`` or every n-th block (``"2"``).
-        compile: ``torch.compile`` each of ``fsdp_units`` (the blocks) in place.
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
-        cpu_offload: FSDP2 keeps the shards (parameters, gradients, optimizer state) in host memory.
 
     Returns:
-        Module name -> tensor-parallel style applied.
+        What was applied: the tensor-parallel style of each module, and the FSDP2 units by name.
     """
     mesh = dims.mesh
     ties = shared_parameters(module)
@@ -66,20 +61,16 @@ def parallelize(
         retie(module, ties)
     # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
     #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
-    apply_activation_checkpointing(fsdp_units, activation_checkpointing, ac_selective)
+    apply_activation_checkpointing(fsdp_units, options.activation_checkpointing, options.ac_selective)
     # 3. torch.compile per block: after TP / AC so the graphs hold the sharded layers and the recomputation, before
     #    FSDP2 so its all-gather / reduce-scatter hooks stay outside them. In place (Module.compile), so module and
     #    parameter names, hence plans and checkpoints, do not change; one block's graph serves every block.
-    if compile:
-        if dims.tp_enabled:
-            raise ValueError(compile_with_tp_error(dims.tp))
+    #    (ParallelOptions.check refused compile with tp before any rank started.)
+    if options.compile:
         compile_blocks(fsdp_units)
     # 4. FSDP2 / replication last, over the data-parallel axes.
-    if cpu_offload and not dims.dp_enabled:
-        raise ValueError(
-            f"cpu_offload=true needs data parallelism (FSDP2 offloads its shards) but {dims.describe()}; use "
-            "dp_shard > 1 or cpu_offload=false."
-        )
+    names = {id(child): name for name, child in module.named_modules()}
+    wrapped: list[str] = []
     if dims.dp_enabled:
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
         # together (a unit holding one is left to the root that holds the rest).
@@ -87,25 +78,30 @@ def parallelize(
         fsdp_units = [unit for unit in fsdp_units if not any(id(p) in tied for p in unit.parameters())]
         if fsdp_roots is None:
             fsdp_roots = _fsdp_roots(module, {id(unit) for unit in fsdp_units})
+        roots = _group_tied(fsdp_roots, tied)
         apply_fsdp(
             fsdp_units,
-            _group_tied(fsdp_roots, tied),
+            roots,
             mesh[dims.fsdp_mesh_axes],
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
+            cpu_offload=options.cpu_offload,
         )
+        for unit in [*fsdp_units, *roots]:
+            group = unit if isinstance(unit, list) else [unit]
+            wrapped.append(" + ".join(names.get(id(m), "") or "(root)" for m in group))
     check_ties_kept(module, ties)
-    return applied
+    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped))
 
 
-def compile_with_tp_error(tp: int, prefix: str = "") -> str:
-    """Why compile and tensor parallelism are refused together (on torch 2.13; seen on CPU, every TP plan we have)."""
-    return (
-        f"{prefix}compile=true with {prefix}tp={tp}: torch's compiled backward of tensor-parallel blocks fails (a "
-        "DTensor gradient arrives as a plain Tensor in redistribute's backward: AttributeError '_local_tensor'; "
-        f"cf. pytorch/pytorch#173123); use compile with tp=1 (fsdp, pp) or {prefix}compile=false."
-    )
+@dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` applied to a module (module names relative to it)."""
+
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    """Module name -> tensor-parallel style applied (``ColwiseParallel``, ...)."""
+    fsdp_units: tuple[str, ...] = ()
+    """The FSDP2 units, in the order they were wrapped (``"a + b"``: modules sharing a parameter, one unit)."""
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:

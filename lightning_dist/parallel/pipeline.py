@@ -7,7 +7,7 @@ on the split. With several stages per rank (interleaved / looped / V schedules) 
 of its stages' blocks and each stage runs a *view*: a shallow clone of the model whose container holds only
 that stage's blocks (the blocks themselves are shared, not copied).
 
-No Lightning imports and no model code here; the strategy in ``lightning_dist.strategies.pipeline_parallel``
+No Lightning imports and no model code here; the strategy in ``lightning_dist.strategies.stages``
 drives it.
 """
 
@@ -91,7 +91,7 @@ def resolve_schedule(name: str, stages_per_rank: int) -> str:
     """The canonical schedule name; raises when it is unknown or does not fit ``stages_per_rank``."""
     by_lower = {key.lower(): key for key in SCHEDULES}
     if name.lower() not in by_lower:
-        raise ValueError(f"pipeline schedule {name!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+        raise ValueError(f"schedule={name!r} is unknown; use one of {', '.join(SCHEDULES)}.")
     name = by_lower[name.lower()]
     needed = SCHEDULES[name]
     if stages_per_rank < 1:

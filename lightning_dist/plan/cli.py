@@ -20,12 +20,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from lightning_dist.config import TrainConfig, register_configs, to_train_config
+from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, Layout
 from lightning_dist.plan.memory import GIB
 from lightning_dist.plan.search import rank
-from lightning_dist.train import CONF_DIR
 
 register_configs()
 
@@ -125,8 +124,8 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
 
 
 def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
-    from lightning_dist.launch import launch
     from lightning_dist.plan.collectives import per_axis, step_collectives
+    from lightning_dist.run.launch import launch
 
     lay = best.layout
     traced = launch(_trace, 1, apply_layout(cfg, lay), lay.pp == 1, cfg.plan.trace_memory)[0]

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_dist.config import HardwareConfig
+from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import Dtypes, step_collectives
 from lightning_dist.plan.memory import GIB, MemoryEstimate, _block_params, estimate_memory

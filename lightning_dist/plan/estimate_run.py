@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lightning_dist.config import TrainConfig
+from lightning_dist.config.schema import TrainConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import Layout, estimate

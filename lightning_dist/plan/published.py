@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lightning_dist.config import HardwareConfig
+from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.cost import GIB, Estimate, Layout, estimate, flops_per_token_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from lightning_dist.config import HardwareConfig, PlanConfig
+from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.cost import Estimate, Layout, estimate
 

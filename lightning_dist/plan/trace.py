@@ -14,13 +14,16 @@ Run it in a fresh process (it initializes ``torch.distributed``), e.g. with :fun
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_dist.config import TrainConfig
+from lightning_dist.config.build import build_module
+from lightning_dist.config.schema import TrainConfig
+from lightning_dist.config.validate import build_parallel_dims, options_of, split_batch
+from lightning_dist.strategies import build_strategy
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,17 @@ def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = F
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lightning_dist import _compat
-    from lightning_dist.app import build_parallel_dims, build_strategy
-    from lightning_dist.builders import build_module, resolve_micro_batch
 
     dims = build_parallel_dims(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size
-    resolve_micro_batch(cfg, dims, per_rank)
+    split = split_batch(cfg, dims, per_rank)
+    par = replace(cfg.parallelism, microbatches=split.microbatches)
+    cfg = replace(cfg, parallelism=par, data=replace(cfg.data, micro_batch_size=split.micro_batch_size))
     _compat.init_fake_process_group(rank, dims.world_size)
     try:
         mesh = dims.build_mesh("cpu")
         module = build_module(cfg)
-        strategy = build_strategy(cfg, dims)
+        strategy = build_strategy(cfg.parallelism.strategy, dims, options_of(cfg))
         environment = LightningEnvironment()
         environment.set_world_size(dims.world_size)
         environment.set_global_rank(rank)
@@ -73,7 +76,7 @@ def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = F
         _compat.set_device_mesh(strategy, module, mesh)
         with torch.device("meta"):
             module.configure_model()
-        strategy._parallelize(module, materialize=False)
+        strategy.parallelize_module(module, materialize=False)
         pipeline = strategy.pipeline
         params = {id(p): p for p in module.parameters()}.values()
         extra = _fake_step(cfg, strategy, module, mesh, per_rank, memory) if step else {}
@@ -124,9 +127,9 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
                     mem.reset_mod_stats()  # it follows each module once per step; the peak is kept
                 for unit in units:  # accumulate: FSDP2 reduces on the last micro batch only, as in training
                     unit.set_requires_gradient_sync(last, recurse=False)
-                with strategy.precision_plugin.forward_context(), strategy._loss_context():  # autocast, as Lightning
+                with strategy.precision_plugin.forward_context(), strategy.loss_context():  # autocast, as Lightning
                     loss = module.compute_loss(batch)
-                with strategy._loss_context():
+                with strategy.loss_context():
                     loss.backward()
             reduce_partial_grads(module.parameters())
             pp_group = strategy.parallel_dims.group("pp") if strategy.parallel_dims.pp_enabled else None

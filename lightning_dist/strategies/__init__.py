@@ -6,10 +6,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.data_parallel import DataParallelStrategy
 from lightning_dist.strategies.mesh import MeshStrategy
-from lightning_dist.strategies.pipeline_parallel import PipelineParallelStrategy
-from lightning_dist.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_dist.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy, build_strategy
 
-__all__ = ["DataParallelStrategy", "MeshStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__all__ = [
+    "DataParallelStrategy",
+    "MeshStrategy",
+    "PipelineParallelStrategy",
+    "TensorParallelStrategy",
+    "build_strategy",
+]
 
 _REGISTERED = {
     TensorParallelStrategy: "Tensor parallelism over all devices (sequence + loss parallel)",

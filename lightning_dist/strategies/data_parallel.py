@@ -10,7 +10,8 @@ from typing_extensions import override
 
 from lightning_dist import _compat
 from lightning_dist.parallel.clip import global_grad_norm
-from lightning_dist.strategies.guard import allow_step, check_action
+from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.strategies.guard import allow_step
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 
 
@@ -22,10 +23,15 @@ class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
 
     strategy_name = "data_parallel"
 
-    def __init__(self, *args: Any, on_nonfinite: str = "stop", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, options: ParallelOptions | None = None, on_nonfinite: str | None = None, **kwargs: Any
+    ) -> None:
+        # Of the layout options, Lightning's DDP takes the non-finite guard and the process-group settings.
+        fields = {"on_nonfinite": on_nonfinite} if on_nonfinite is not None else {}
+        self.options = ParallelOptions.build(options, **fields)
+        kwargs.setdefault("process_group_backend", self.options.process_group_backend)
+        kwargs.setdefault("timeout", self.options.timeout)
         super().__init__(*args, **kwargs)
-        check_action(on_nonfinite)
-        self.on_nonfinite = on_nonfinite
 
     @override
     def setup_environment(self) -> None:
@@ -41,7 +47,7 @@ class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()
         norm = global_grad_norm(self.lightning_module.parameters())  # all-reduced gradients: the same on every rank
-        if not allow_step(norm, loss, self.on_nonfinite, self.lightning_module):
+        if not allow_step(norm, loss, self.options.on_nonfinite, self.lightning_module):
             optimizer.zero_grad(set_to_none=True)
             return loss
         return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)

@@ -16,16 +16,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-ACTIONS = ("stop", "skip")
-
 
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient norm was NaN or Inf (``on_nonfinite="stop"``)."""
-
-
-def check_action(action: str) -> None:
-    if action not in ACTIONS:
-        raise ValueError(f"on_nonfinite={action!r} is unknown; use stop (end the run) or skip (drop such steps).")
 
 
 def allow_step(norm: Tensor, loss: Any, action: str, module: pl.LightningModule) -> bool:

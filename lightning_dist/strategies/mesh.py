@@ -8,9 +8,8 @@ Which path runs follows from the degrees alone: ``pp > 1`` splits the model into
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,19 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_dist import _compat
-from lightning_dist import checkpoint as checkpoint_io
+from lightning_dist.checkpoint import store as checkpoint_io
 from lightning_dist.contract import declared_blocks, module_hook
-from lightning_dist.parallel import pipeline
-from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
+from lightning_dist.parallel.layout import RankLayout
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.guard import allow_step
-from lightning_dist.strategies.guard import check_action as check_nonfinite_action
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.stages import PipelineStages
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy):
@@ -66,28 +62,11 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         tp: Tensor-parallel degree; ``-1`` = the rest.
         pp: Pipeline degree.
         parallel_dims: A layout built already (the app builds it once from the config); replaces the four degrees.
-        sequence_parallel: TP: shard norms and residuals along the sequence.
-        loss_parallel: TP: cross-entropy on vocab-sharded logits.
-        plan: TP: module-name pattern -> ``ParallelStyle`` or ``"colwise"`` / ``"rowwise"`` / ``"sequence"``.
-        schedule: PP: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``,
-            ``ZBVZeroBubble`` or ``DualPipeV``.
-        microbatches: PP: microbatches per step, dividing the per-rank batch; ``None`` = ``pp x stages_per_rank``.
-        stages_per_rank: PP: virtual stages per rank (2+ for the interleaved / looped / V schedules).
-        split_points: PP: block names that start a new stage (``["layers.2"]``); ``None`` = balanced by parameters.
-        activation_checkpointing: ``none``, ``full`` (every block recomputed in backward) or ``selective``; applies
-            to the blocks ``pipeline_spec()`` names, in whole models and pipeline stages alike.
-        ac_selective: For ``selective``: ``"op"`` (keep matmul outputs, recompute the rest) or ``"<n>"`` (every n-th
-            block fully checkpointed).
-        compile: ``torch.compile`` each block (the ones ``pipeline_spec()`` names) after TP and checkpointing, before
-            FSDP2.
-        cpu_offload: FSDP2 keeps parameter shards, gradients and optimizer state in host memory (the optimizer
-            steps on the CPU); needs ``dp_shard`` or ``dp_replicate`` > 1.
-        on_nonfinite: A step whose gradient norm is NaN / Inf: ``stop`` the run, or ``skip`` the update (see
-            :mod:`lightning_dist.strategies.guard`).
-        async_save: Checkpoints are copied to host memory and written in the background (DCP ``async_save``);
-            ``pending_save`` is the write in flight (see :class:`~lightning_dist.checkpoint.RunCheckpoints`).
-        process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
-        timeout: Collective timeout: a rank that stops answering ends the job after this long.
+        options: How the axes work (TP plan, schedule, microbatches, activation checkpointing, compile, offload,
+            the non-finite guard, async saves, process groups): a
+            :class:`~lightning_dist.parallel.options.ParallelOptions`.
+        option_fields: Single :class:`~lightning_dist.parallel.options.ParallelOptions` fields, set over
+            ``options`` (``MeshStrategy(tp=2, schedule="GPipe", activation_checkpointing="full")``).
     """
 
     def __init__(
@@ -98,45 +77,23 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         pp: int = 1,
         *,
         parallel_dims: ParallelDims | None = None,
-        sequence_parallel: bool = True,
-        loss_parallel: bool = True,
-        plan: TensorParallelPlan | None = None,
-        schedule: str = "1F1B",
-        microbatches: int | None = None,
-        stages_per_rank: int = 1,
-        split_points: Sequence[str] | None = None,
-        activation_checkpointing: str = "none",
-        ac_selective: str = "op",
-        compile: bool = False,
-        cpu_offload: bool = False,
-        on_nonfinite: str = "stop",
-        async_save: bool = False,
-        process_group_backend: str | None = None,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        options: ParallelOptions | None = None,
+        **option_fields: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        check_ac_mode(activation_checkpointing, ac_selective)
-        self.activation_checkpointing, self.ac_selective = activation_checkpointing, ac_selective
-        self.compile, self.cpu_offload = compile, cpu_offload
-        check_nonfinite_action(on_nonfinite)
-        self.on_nonfinite = on_nonfinite
-        self.async_save, self.pending_save = async_save, None
+        self.options = ParallelOptions.build(options, **option_fields)
+        super().__init__(process_group_backend=self.options.process_group_backend, timeout=self.options.timeout)
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims
-        if parallel_dims is not None:
-            pp = parallel_dims.pp
-        self._pipelined = pp > 1
-        self.sequence_parallel = sequence_parallel
-        self.loss_parallel = loss_parallel
-        self._plan = plan
-        self.schedule_name = pipeline.resolve_schedule(schedule, stages_per_rank)
-        self.stages_per_rank = stages_per_rank
-        self.microbatches = microbatches if microbatches is not None else pp * stages_per_rank
-        pipeline.check_microbatches(self.schedule_name, self.microbatches, pp, stages_per_rank)
-        self.split_points = list(split_points) if split_points else None
+        pp = parallel_dims.pp if parallel_dims is not None else pp
+        if pp > 1:  # known before the world size: a pipeline option that cannot work fails at construction
+            self.options.check_microbatches(pp)
+        self.pending_save: Any = None
         self._pipeline: PipelineStages | None = None
+        self._layout: RankLayout | None = None
+        self._layouts: list[RankLayout] = []
         self._parallelized = False
         self._clip_val: float | None = None
+        self._checkpoint_group: Any = None
 
     # --------------------------------------------------------------------------------------------------- layout
     @property
@@ -145,6 +102,18 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if self._parallel_dims is None:
             raise RuntimeError(f"{type(self).__name__}.parallel_dims was read before the Trainer set up processes.")
         return self._parallel_dims
+
+    def describe(self, all_ranks: bool = False) -> RankLayout | list[RankLayout]:
+        """What this rank holds once the model is laid out (``setup`` done): its mesh coordinates, pipeline stages
+        and their blocks, the tensor-parallel style of each module and the FSDP2 units; ``all_ranks=True``: every
+        rank's, gathered once at set-up (no collective here).
+
+        Raises:
+            RuntimeError: Read before the Trainer set the model up.
+        """
+        if self._layout is None:
+            raise RuntimeError(f"{type(self).__name__}.describe() was called before the Trainer set the model up.")
+        return list(self._layouts) if all_ranks else self._layout
 
     @property
     def pipeline(self) -> PipelineStages | None:
@@ -162,6 +131,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 f"parallel_dims is laid out for world_size={self._parallel_dims.world_size} but the Trainer runs "
                 f"{world_size} processes (devices={self.num_processes} x num_nodes={self.num_nodes}); make them equal."
             )
+        self.options.check(self._parallel_dims)
 
     @override
     def setup_environment(self) -> None:
@@ -220,8 +190,11 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         # DTensor does not support inference tensors: validation runs under no_grad instead of inference_mode.
         _compat.disable_inference_mode(trainer)
         if not self._parallelized:
-            self._parallelize(self.lightning_module)
+            self.parallelize_module(self.lightning_module)
             self._parallelized = True
+            # Once, at start-up: every rank's layout for describe(all_ranks=True) (a small object per rank).
+            self._layouts = [None] * self.world_size
+            torch.distributed.all_gather_object(self._layouts, self._layout)
         _compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -229,54 +202,37 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:  # offloaded state stays with its shards
+        if trainer.state.fn == TrainerFn.FITTING and not self.options.cpu_offload:  # offloaded state stays on the host
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: pl.LightningModule, materialize: bool = True) -> None:
+    def parallelize_module(self, module: pl.LightningModule, materialize: bool = True) -> None:
         """Lay ``module`` out over the mesh; ``materialize=False`` leaves it on the meta device (a traced rank)."""
-        dims = self.parallel_dims
+        dims, options = self.parallel_dims, self.options
         if any(isinstance(p, DTensor) for p in module.parameters()):
+            self._layout = RankLayout.of(dims, self.global_rank, parallelized_by="configure_model")
             return  # parallelized by hand in configure_model
         check = module_hook(module, "check_tensor_parallel")
         if dims.tp_enabled and check is not None:
-            check(dims.tp, sequence_parallel=self.sequence_parallel)
+            check(dims.tp, sequence_parallel=options.sequence_parallel)
         tp_plan = self._tensor_parallel_plan(module) if dims.tp_enabled else None
         param_dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
-                module,
-                dims,
-                self.global_rank,
-                self.root_device,
-                schedule=self.schedule_name,
-                stages_per_rank=self.stages_per_rank,
-                microbatches=self.microbatches,
-                split_points=self.split_points,
-                tp_plan=tp_plan,
-                param_dtype=param_dtype,
-                activation_checkpointing=(self.activation_checkpointing, self.ac_selective),
-                compile=self.compile,
-                cpu_offload=self.cpu_offload,
+                module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=param_dtype,
                 materialize=materialize,
-            )
+            )  # fmt: skip
+            self._layout = self._pipeline.layout
             return
-        parallelize(
-            module,
-            dims,
-            tp_plan=tp_plan,
-            fsdp_units=declared_blocks(module),
-            activation_checkpointing=self.activation_checkpointing,
-            ac_selective=self.ac_selective,
-            compile=self.compile,
-            cpu_offload=self.cpu_offload,
-            param_dtype=param_dtype,
-        )
+        applied = parallelize(module, dims, options, tp_plan=tp_plan, fsdp_units=declared_blocks(module),
+                              param_dtype=param_dtype)  # fmt: skip
+        self._layout = RankLayout.of(dims, self.global_rank, applied=applied)
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only
 
     def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
-        if self._plan is not None:
-            return self._plan
+        options = self.options
+        if options.plan is not None:
+            return dict(options.plan)
         method = module_hook(module, "tensor_parallel_plan")
         if method is None:
             raise ValueError(
@@ -284,7 +240,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
                 "plan={'layers.*.q_proj': 'colwise', ...} to the strategy, define tensor_parallel_plan() on the "
                 "module, or parallelize it by hand in configure_model."
             )
-        return method(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+        return method(sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
 
     # --------------------------------------------------------------------------------------------- checkpoints
     @override
@@ -295,13 +251,13 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self.async_save:
+        if not self.options.async_save:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self.pending_save = checkpoint_io.save_async(self, checkpoint, Path(self.broadcast(filepath)))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint folder into this layout (see :func:`lightning_dist.checkpoint.load_sharded`).
+        """Load a sharded checkpoint folder into this layout (see :func:`lightning_dist.checkpoint.store.load_sharded`).
 
         Lightning's own loader only accepts models with DTensor parameters; a pipeline stage without TP or FSDP has
         plain tensors, and each rank holds only its stages' parameters.
@@ -314,20 +270,20 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
 
     # ------------------------------------------------------------------------------------------------- training
     @contextmanager
-    def _loss_context(self) -> Generator[None, None, None]:
+    def loss_context(self) -> Generator[None, None, None]:
         """Loss parallelism must wrap the loss's forward and its backward."""
-        use = self.loss_parallel and self.parallel_dims.tp_enabled
+        use = self.options.loss_parallel and self.parallel_dims.tp_enabled
         with loss_parallel() if use else nullcontext():
             yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self.loss_context():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self.loss_context():
             return super().validation_step(*args, **kwargs)
 
     @override
@@ -349,7 +305,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
         else:
-            with self._loss_context():
+            with self.loss_context():
                 closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         return closure_loss
 
@@ -370,7 +326,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()  # forward + backward of the step's last (or only) micro batch
         norm = self._clip_gradients()
-        if not allow_step(norm, loss, self.on_nonfinite, self.lightning_module):
+        if not allow_step(norm, loss, self.options.on_nonfinite, self.lightning_module):
             optimizer.zero_grad(set_to_none=True)
             return loss
         return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)

@@ -10,7 +10,7 @@ strategy's backward only hands the schedule's gradients back. Validation runs th
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +25,8 @@ from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
+from lightning_dist.parallel.layout import RankLayout
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.materialize import materialize as materialize_model
@@ -58,6 +60,7 @@ class PipelineStages:
         self._loss_src = 0 if schedule in pipeline.V_SCHEDULES else dims.pp - 1
         self._device = device
         self._grads: list[tuple[nn.Parameter, Tensor | None]] = []
+        self.layout: RankLayout | None = None  # what this rank holds (set by build)
         self.ties: list[tied.StageTie] = []  # weights shared with other stages' ranks (see parallel/tied.py)
         self.norm_exclude: set[int] = set()  # ids of tied copies the gradient norm must not count again
         self._stepped = False  # the schedule ran in this training step (and backward has not taken its gradients)
@@ -67,18 +70,12 @@ class PipelineStages:
         cls,
         module: pl.LightningModule,
         dims: ParallelDims,
+        options: ParallelOptions,
         global_rank: int,
         device: torch.device,
         *,
-        schedule: str,
-        stages_per_rank: int,
-        microbatches: int,
-        split_points: Sequence[str] | None,
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
-        activation_checkpointing: tuple[str, str] = ("none", "op"),
-        compile: bool = False,
-        cpu_offload: bool = False,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -89,6 +86,8 @@ class PipelineStages:
         Stages talk over the ``pp`` axis's group only: with data parallelism beside the pipeline, the world group
         would send activations to a data-parallel peer.
         """
+        schedule, stages_per_rank = options.schedule, options.stages_per_rank
+        microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
         spec = _pipeline_spec(module)
         model = spec.model(module)
         num_stages = dims.pp * stages_per_rank
@@ -117,24 +116,25 @@ class PipelineStages:
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
 
-        views = []
+        views, tp_styles, fsdp_units = [], {}, []
         for sid, blocks in zip(stage_ids, stage_blocks):
             view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
-            parallelize(
+            done = parallelize(
                 view,
                 dims,
+                options,
                 # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
                 tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
                 fsdp_units=list(module_children(spec.blocks(view)).values()),
                 fsdp_roots=[view],
-                activation_checkpointing=activation_checkpointing[0],
-                ac_selective=activation_checkpointing[1],
-                compile=compile,
-                cpu_offload=cpu_offload,
                 param_dtype=param_dtype,
                 # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
                 reshard_after_forward=False,
             )
+            prefix = f"{spec.model_attr}."  # names as the LightningModule's, like a whole model's
+            tp_styles.update({prefix + name: style for name, style in done.tp_styles.items()})
+            fsdp_units += [f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
+                           for unit in done.fsdp_units]  # fmt: skip
             views.append(view)
         if materialize:
             materialize_model(module, model, device)
@@ -145,6 +145,11 @@ class PipelineStages:
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
+        runner.layout = RankLayout.of(
+            dims, global_rank, stages=tuple(stage_ids), blocks=tuple(tuple(f"{spec.blocks_attr}.{key}" if
+            spec.blocks_attr else key for key in blocks) for blocks in stage_blocks), tp_styles=tp_styles,
+            fsdp_units=tuple(fsdp_units),
+        )  # fmt: skip
         # The module's own training_step / validation_step call compute_loss: route it through the schedule.
         module.compute_loss = runner.compute_loss
         return runner

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 from helpers import FAST, assert_planned, compose_config, losses, run_app
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # data.global_batch_size=8 in one forward
 
@@ -65,7 +65,7 @@ class _ReduceScatters(pl.Callback):
 
 
 def _count_reduce_scatters(cfg) -> float:
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     probe = _ReduceScatters()
     fit(cfg, callbacks=(probe,))
@@ -100,20 +100,20 @@ def test_accumulating_micro_steps_do_not_reduce_gradients(tmp_path: Path) -> Non
     ids=["not-a-divisor", "accumulate-not-a-divisor", "both-disagree", "pp-disagree", "zero"],
 )
 def test_impossible_micro_batches_fail_before_launch(overrides: list[str], message: str) -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=message):
-        check_config(compose_config([*FAST, "parallelism=fsdp", "cluster.devices=2", *overrides]))
+        validate(compose_config([*FAST, "parallelism=fsdp", "cluster.devices=2", *overrides]))
 
 
 def test_micro_batches_are_resolved_once_for_every_rank() -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     cfg = compose_config([*FAST, "parallelism=fsdp", "cluster.devices=2", "data.micro_batch_size=1"])
-    check_config(cfg)
-    check_config(cfg)  # a rank started without the app's launcher checks again: the same answer
+    cfg = validate(cfg).cfg
+    cfg = validate(cfg).cfg  # a rank started without the app's launcher checks again: the same answer
     assert (cfg.trainer.accumulate_grad_batches, cfg.data.micro_batch_size) == (4, 1)
     pp = compose_config([*FAST, "parallelism=pp", "cluster.devices=2", "trainer.accumulate_grad_batches=2"])
-    check_config(pp)
+    pp = validate(pp).cfg
     # Under pp, Lightning's accumulation becomes the pipeline's microbatches: one schedule step per global batch.
     assert (pp.trainer.accumulate_grad_batches, pp.parallelism.microbatches, pp.data.micro_batch_size) == (1, 2, 4)

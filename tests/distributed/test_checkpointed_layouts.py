@@ -56,9 +56,9 @@ def test_checkpointed_layouts_match_one_process(layout: list[str], reference: di
 def test_checkpointing_is_refused_where_it_cannot_reach() -> None:
     from helpers import compose_config
 
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing=full with parallelism=ddp"):
-        check_config(compose_config([*FAST, "parallelism.activation_checkpointing=full"]))
+        validate(compose_config([*FAST, "parallelism.activation_checkpointing=full"]))
     with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing='some' is unknown"):
-        check_config(compose_config([*FAST, "parallelism=fsdp", "parallelism.activation_checkpointing=some"]))
+        validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.activation_checkpointing=some"]))

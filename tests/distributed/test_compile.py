@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import FAST, compose_config, losses, run_app
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 
 class _CompileProbe(pl.Callback):
@@ -28,7 +28,7 @@ class _CompileProbe(pl.Callback):
 
 
 def _fit(cfg) -> dict:
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     probe = _CompileProbe()
     result = fit(cfg, callbacks=(probe,))
@@ -51,12 +51,12 @@ def test_compiled_blocks_give_the_eager_curve(layout: list[str], tmp_path: Path)
 
 
 def test_compile_is_refused_where_it_cannot_reach() -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
     from lightning_dist.parallel.compose import compile_blocks
 
     with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism=ddp"):
-        check_config(compose_config([*FAST, "parallelism.compile=true"]))
+        validate(compose_config([*FAST, "parallelism.compile=true"]))
     with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism.tp=2: torch's compiled backward"):
-        check_config(compose_config([*FAST, "parallelism=tp", "parallelism.compile=true"]))
+        validate(compose_config([*FAST, "parallelism=tp", "parallelism.compile=true"]))
     with pytest.raises(ValueError, match=r"compile=true compiles the model's blocks one by one: define pipeline_spec"):
         compile_blocks([])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import FAST, compose_config, losses, run_app
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 
 class _OffloadProbe(pl.Callback):
@@ -33,7 +33,7 @@ class _OffloadProbe(pl.Callback):
 
 
 def _fit(cfg) -> dict:
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     probe = _OffloadProbe()
     result = fit(cfg, callbacks=(probe,))
@@ -56,9 +56,9 @@ def test_offloaded_shards_give_the_one_process_curve(layout: list[str], tmp_path
 
 
 def test_offload_is_refused_without_shards() -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=r"parallelism.cpu_offload=true needs FSDP2 shards to offload"):
-        check_config(compose_config([*FAST, "parallelism=tp", "parallelism.cpu_offload=true"]))
+        validate(compose_config([*FAST, "parallelism=tp", "parallelism.cpu_offload=true"]))
     with pytest.raises(ValueError, match=r"parallelism.cpu_offload=true with parallelism=ddp"):
-        check_config(compose_config([*FAST, "parallelism.cpu_offload=true"]))
+        validate(compose_config([*FAST, "parallelism.cpu_offload=true"]))

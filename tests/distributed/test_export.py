@@ -9,8 +9,8 @@ import torch
 from helpers import FAST, compose_config, run_app
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_dist.config import OptimConfig
-from lightning_dist.export import main as export_main
+from lightning_dist.checkpoint.export import main as export_main
+from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
 
@@ -67,20 +67,20 @@ def test_a_pp2_x_tp2_checkpoint_exports_and_a_tensor_parallel_run_starts_from_it
 
 
 def test_weights_that_do_not_fit_the_model_fail_before_launch(tmp_path: Path) -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     module = GPTModule(GPTConfig(n_layers=2, d_model=32, n_heads=4), OptimConfig(), 3)
     module.configure_model()
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "small.ckpt")
     export_main([str(tmp_path / "small.ckpt"), str(tmp_path / "hf")])
     with pytest.raises(ValueError, match=r"init_from=.*hf: model.embed_tokens.weight has shape \(256, 32\) there and"):
-        check_config(compose_config([*FAST, f"init_from={tmp_path / 'hf'}"]))
+        validate(compose_config([*FAST, f"init_from={tmp_path / 'hf'}"]))
     with pytest.raises(ValueError, match=r"init_from=.* is neither a HuggingFace folder .* nor a sharded checkpoint"):
-        check_config(compose_config([*FAST, f"init_from={tmp_path}"]))
+        validate(compose_config([*FAST, f"init_from={tmp_path}"]))
 
 
 def test_an_hf_model_starts_from_its_folder_under_a_pipeline(tmp_path: Path) -> None:
-    from lightning_dist.builders import build_module
+    from lightning_dist.config.build import build_module
 
     cfg = compose_config(HF)
     module = build_module(cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, run_app
 
-from lightning_dist.checkpoint import latest_checkpoint
-from lightning_dist.launch import RankFailedError
+from lightning_dist.checkpoint.store import latest_checkpoint
+from lightning_dist.run.launch import RankFailedError
 
 DIVERGING = ["optim.lr=1e3", "trainer.max_steps=30", "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2"]
 
@@ -36,7 +36,7 @@ def test_skip_drops_the_updates_and_trains_to_the_end(tmp_path: Path) -> None:
 def test_an_unknown_action_fails_before_launch() -> None:
     from helpers import compose_config
 
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=r"trainer.on_nonfinite='ignore' is unknown; use stop"):
-        check_config(compose_config([*FAST, "trainer.on_nonfinite=ignore"]))
+        validate(compose_config([*FAST, "trainer.on_nonfinite=ignore"]))

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_dist.launch import RankFailedError, launch
+from lightning_dist.run.launch import RankFailedError, launch
 
 
 def _rank_and_sum() -> tuple[int, int]:
@@ -114,7 +114,7 @@ def test_a_rank_ends_when_its_launcher_is_gone() -> None:
 
     launcher = subprocess.Popen(["sleep", "60"])
     rank = subprocess.Popen(
-        [sys.executable, "-c", "import time; from lightning_dist.launch import _exit_with_launcher; "
+        [sys.executable, "-c", "import time; from lightning_dist.run.launch import _exit_with_launcher; "
          f"_exit_with_launcher({launcher.pid}); print('watching', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -148,7 +148,7 @@ def test_ctrl_c_to_the_main_process_reaches_every_rank_and_the_job_ends(tmp_path
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    code = ("from test_launch import _wait_for_sigterm; from lightning_dist.launch import launch; "
+    code = ("from test_launch import _wait_for_sigterm; from lightning_dist.run.launch import launch; "
             f"print(launch(_wait_for_sigterm, 2, {str(tmp_path)!r}), flush=True)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
     job = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

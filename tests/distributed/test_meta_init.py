@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 from helpers import FAST, compose_config
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 from lightning_dist.telemetry.throughput import resident_memory_bytes
 
 #: ~200 MB of fp32 parameters (8 blocks of width 768), one step, no optimizer state yet at the first step's start.
@@ -50,7 +50,7 @@ def _peak() -> int:
 def _fit(cfg) -> dict:
     import ctypes
 
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     # glibc serves allocations under its (adaptive, up to 32 MiB) mmap threshold from arenas it rarely returns, so
     # the peak RSS of a rank that all-gathers and frees FSDP units over and over would count freed buffers. A fixed

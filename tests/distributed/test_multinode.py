@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import FAST, losses, run_app
 
-from lightning_dist.launch import free_port
+from lightning_dist.run.launch import free_port
 
 RUN = [*FAST, "logger=csv", "trainer.max_steps=4", "model.n_layers=2"]
 LAYOUTS = {
@@ -27,7 +27,7 @@ def torchrun_nodes(overrides: list[str], cwd: Path, nodes: int = 2, per_node: in
     torchrun = str(Path(sys.executable).parent / "torchrun")
     port = free_port()
     command = [torchrun, f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job7", "-m", "lightning_dist.train"]  # fmt: skip
+               f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=job7", "-m", "lightning_dist.run.train"]  # fmt: skip
     agents = []
     for _ in range(nodes):
         agents.append(

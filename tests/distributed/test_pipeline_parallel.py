@@ -15,8 +15,8 @@ from helpers import FAST, assert_planned, compose_config, losses, run_app
 from torch import nn
 
 from lightning_dist import PipelineParallelStrategy
-from lightning_dist.launch import launch
 from lightning_dist.parallel.pipeline import PipelineSpec
+from lightning_dist.run.launch import launch
 
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # our strategy with every degree 1: one-process training
 FOUR_LAYERS = "model.n_layers=4"  # 4 stages (pp=2 x 2 virtual stages) need 4 blocks
@@ -41,7 +41,7 @@ def assert_same_run(result: dict, reference: dict) -> None:
 
 
 def _fit_all_ranks(cfg) -> dict:
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     return fit(cfg)
 
@@ -90,10 +90,10 @@ def test_tied_embedding_and_head_on_different_stages_match_one_process(tmp_path:
     # Tensor parallelism shards both the same way (vocab rows), so they stay one parameter there too.
     result = run_app([*tied, "parallelism=tp", "cluster.devices=2"], tmp_path / "tp")
     np.testing.assert_allclose(losses(result), losses(one), rtol=1e-5)
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=r"model.tie_embeddings=true with parallelism.pp=2 and parallelism.tp=2"):
-        check_config(compose_config([*tied, "parallelism=3d", "cluster.devices=4"]))
+        validate(compose_config([*tied, "parallelism=3d", "cluster.devices=4"]))
 
 
 def test_validation_and_sanity_check_run_through_the_schedule(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from helpers import FAST, compose_config
 
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 LAYOUTS = {
     "tp2xfsdp2": ["parallelism=tp_fsdp", "cluster.devices=4"],
@@ -36,7 +36,7 @@ def traced() -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_traced_rank_issues_the_planned_collectives(name: str, traced: dict[str, Any]) -> None:
-    from lightning_dist.app import build_parallel_dims
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.collectives import per_axis, step_collectives
     from lightning_dist.plan.cost import estimate
     from lightning_dist.plan.estimate_run import layout_of

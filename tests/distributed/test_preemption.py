@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from helpers import FAST, losses, run_app
 
-from lightning_dist.checkpoint import latest_checkpoint
-from lightning_dist.launch import PREEMPTED_EXIT_CODE
+from lightning_dist.checkpoint.store import latest_checkpoint
+from lightning_dist.run.launch import PREEMPTED_EXIT_CODE
 
 STEPS = 24
 RUN = [*FAST, "parallelism=fsdp", f"trainer.max_steps={STEPS}", "logger=csv", "optim.warmup_steps=5"]
@@ -53,7 +53,7 @@ def test_sigterm_to_the_main_process_saves_stops_and_resumes_exactly(
     whole: dict, tmp_path: Path, own_tmp: Path
 ) -> None:
     run_dir, temporary = tmp_path / "run", own_tmp
-    command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, f"output_dir={run_dir}"]
+    command = [sys.executable, "-m", "lightning_dist.run.train", *RUN, *SAVING, f"output_dir={run_dir}"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                            cwd=tmp_path,
                            env={**os.environ, "TMPDIR": str(temporary)})  # fmt: skip
@@ -113,7 +113,7 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
     """SIGKILL to a rank while DCP writes a checkpoint (its shard files appear, its ``.metadata`` not yet): that
     checkpoint is never published, and ``max_restarts=1`` continues from the one before with the uninterrupted curve."""
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    command = [sys.executable, "-m", "lightning_dist.train", *RUN, *SAVING, "trainer.max_restarts=1"]
+    command = [sys.executable, "-m", "lightning_dist.run.train", *RUN, *SAVING, "trainer.max_restarts=1"]
     job = subprocess.Popen(
         [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
     )
@@ -143,12 +143,12 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
 
 
 def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_tmp: Path) -> None:
-    from lightning_dist import heartbeat
+    from lightning_dist.callbacks import heartbeat
 
     temporary = own_tmp
     overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path}"]
     job = subprocess.Popen(
-        [sys.executable, "-m", "lightning_dist.train", *overrides],
+        [sys.executable, "-m", "lightning_dist.run.train", *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -178,7 +178,7 @@ def test_sigkill_to_the_main_process_leaves_no_rank_behind(tmp_path: Path) -> No
     """The main process cannot forward SIGKILL: each rank notices its launcher is gone (checked every second)."""
     overrides = [*RUN, "trainer.max_steps=100000", f"output_dir={tmp_path}", "trainer.enable_checkpointing=false"]
     job = subprocess.Popen(
-        [sys.executable, "-m", "lightning_dist.train", *overrides], stderr=subprocess.DEVNULL, cwd=tmp_path
+        [sys.executable, "-m", "lightning_dist.run.train", *overrides], stderr=subprocess.DEVNULL, cwd=tmp_path
     )
     deadline = time.monotonic() + 240
     while len(ranks := _ranks(job.pid)) < 2 or not (tmp_path / "csv" / "metrics.csv").exists():  # training
@@ -198,7 +198,7 @@ def test_torchrun_max_restarts_continues_from_the_newest_checkpoint(whole: dict,
     """Under torchrun the app does not restart itself: torchrun's ``--max-restarts`` does, and the restarted ranks
     find the job's one run folder (named by the rendezvous id) and continue from its newest checkpoint."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    command = [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "lightning_dist.train"]
+    command = [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "lightning_dist.run.train"]
     job = subprocess.Popen([*command, *RUN, *SAVING], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(tmp_path.glob("outputs/torchrun-*/checkpoints/latest")):

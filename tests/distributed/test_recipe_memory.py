@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import compose_config
 
-from lightning_dist.launch import launch
 from lightning_dist.models.gpt import GPT
 from lightning_dist.plan.memory import count_local_params, estimate_memory
+from lightning_dist.run.launch import launch
 
 H100_GIB = 79.6  # 81559 MiB as nvidia-smi reports it
 RECIPES = ["llama_8b_tp_fsdp_8gpu", "llama_70b_tp_fsdp_64gpu"]
@@ -25,7 +25,7 @@ def _trace(recipe: str, rank: int):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
-    from lightning_dist.app import build_parallel_dims
+    from lightning_dist.config.validate import build_parallel_dims
 
     cfg = compose_config([f"recipe={recipe}"])
     dims = build_parallel_dims(cfg)

@@ -11,7 +11,8 @@ import pytest
 from helpers import FAST, compose_config, losses, run_app
 
 from lightning_dist._compat import checkpoint_metadata_file
-from lightning_dist.checkpoint import LATEST, RunCheckpoints, complete_checkpoints, latest_checkpoint
+from lightning_dist.callbacks.checkpoints import RunCheckpoints
+from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, latest_checkpoint
 
 LAYOUT = ["parallelism=fsdp", "cluster.devices=2", "optim.decay_steps=10", "logger=csv"]
 SAVING = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=3", "checkpoint.keep_last=2"]
@@ -52,14 +53,14 @@ def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Pat
     ],
 )
 def test_runs_that_cannot_start_fail_before_launch(overrides: list[str], message: str, tmp_path: Path) -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     with pytest.raises(ValueError, match=message):
-        check_config(compose_config([*FAST, *overrides], tmp_path / "new"))
+        validate(compose_config([*FAST, *overrides], tmp_path / "new"))
 
 
 def test_an_unwritable_run_folder_fails_before_any_rank_starts(tmp_path: Path) -> None:
-    from lightning_dist.train import run
+    from lightning_dist.run.train import run
 
     blocker = tmp_path / "a-file"  # tests run as root here, which permissions do not stop: a file in the path does
     blocker.write_text("")
@@ -130,7 +131,7 @@ def test_a_checkpoint_resumes_under_another_layout(
 
 
 def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: Path) -> None:
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     run_dir = tmp_path / "run"
     saving = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2", "checkpoint.keep_last=3"]
@@ -139,14 +140,14 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: 
     newest, older = run_dir / "checkpoints" / "step-00000004", run_dir / "checkpoints" / "step-00000002"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, e.g. a full disk
     with pytest.raises(ValueError, match=rf"checkpoint {newest} cannot be loaded \(not a complete torch.save archive"):
-        check_config(compose_config([*FAST, f"ckpt_path={newest}"], tmp_path / "new"))
+        validate(compose_config([*FAST, f"ckpt_path={newest}"], tmp_path / "new"))
     cfg = compose_config([*FAST, f"resume={run_dir}"], tmp_path / "unused")
-    check_config(cfg)
+    cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(older)  # resume skips it and takes the newest whole one
     sharded = tmp_path / "sharded" / "checkpoints" / "step-00000004"
     (sharded / ".metadata").unlink()  # DCP never finished this one
     with pytest.raises(ValueError, match=r"step-00000004 cannot be loaded \(missing .metadata\); the newest whole"):
-        check_config(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))
+        validate(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))
 
 
 def test_saves_by_wall_time_follow_rank_zeros_clock(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dist._compat import functional_collectives_module
-from lightning_dist.launch import launch
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import CommTracker, OpStats, Telemetry, axis_groups_from_mesh
 
 # Seconds added to every call of the slowed axis. Large next to what a busy machine adds to a few tiny collectives

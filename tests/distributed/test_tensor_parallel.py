@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dist import TensorParallelStrategy
-from lightning_dist.launch import RankFailedError, launch
+from lightning_dist.run.launch import RankFailedError, launch
 
 STEPS = 20
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # our strategy with every degree 1: plain one-process training
@@ -177,7 +177,7 @@ class _StateBytes(pl.Callback):
 def test_tp2_halves_parameter_and_optimizer_bytes(tmp_path: Path) -> None:
     from helpers import compose_config
 
-    from lightning_dist.app import fit
+    from lightning_dist.run.fit import fit
 
     def measure(layout: list[str], out: Path) -> list[int]:
         cfg = compose_config([*FAST, *layout, "trainer.max_steps=2", "model.d_model=128", "model.n_heads=8"], out)

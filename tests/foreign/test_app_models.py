@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import FAST, compose_config, losses, run_app
 
-from lightning_dist.app import check_config
+from lightning_dist.config.validate import validate
 
 #: FAST without the built-in model's and data's fields (a user's classes take their own arguments).
 RUN = [o for o in FAST if not o.startswith(("model.", "data."))]
@@ -39,4 +39,4 @@ def test_hf_model_from_the_app_matches_one_process(hf_one_process: dict, tmp_pat
 def test_a_target_that_does_not_import_is_one_line_before_launch() -> None:
     cfg = compose_config([*RUN, "model=custom", "model._target_=nowhere.Model"])
     with pytest.raises(ValueError, match=r"model._target_='nowhere.Model' cannot be imported"):
-        check_config(cfg)
+        cfg = validate(cfg).cfg

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dist.config import OptimConfig
-from lightning_dist.export import main as export_main
+from lightning_dist.checkpoint.export import main as export_main
+from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
 

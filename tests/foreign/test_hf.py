@@ -12,8 +12,8 @@ from helpers import GradNorms, quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import PipelineParallelStrategy, TensorParallelStrategy
-from lightning_dist.launch import launch
 from lightning_dist.models.hf import HFCausalLM
+from lightning_dist.run.launch import launch
 
 STEPS, BATCH, SEQ, VOCAB = 8, 4, 16, 64
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy, TensorParallelStrategy
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 from lightning_dist.strategies import DataParallelStrategy
 
 GLOBAL_BATCH, STEPS = 8, 8

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy, PipelineParallelStrategy, PipelineSpec, TensorParallelStrategy
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 WIDTH, STEPS, BATCH = 8, 8, 8
 
@@ -305,7 +305,7 @@ def _broken_stage_forward() -> None:
 
 
 def test_a_stage_forward_that_breaks_the_contract_is_named() -> None:
-    from lightning_dist.launch import RankFailedError
+    from lightning_dist.run.launch import RankFailedError
 
     with pytest.raises(RankFailedError, match=r"forward failed on pipeline stage\(s\) \[\d\]"):
         launch(_broken_stage_forward, 2)

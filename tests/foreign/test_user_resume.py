@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy
-from lightning_dist.launch import launch
+from lightning_dist.run.launch import launch
 
 STEPS, STOP = 12, 5  # an epoch of 16 global batches, stopped mid-way
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from helpers import FAST, compose_config
 
-from lightning_dist import cluster, slurm
-from lightning_dist.app import build_parallel_dims
+from lightning_dist.config import environment as where
+from lightning_dist.config.validate import build_parallel_dims
+from lightning_dist.run import cluster, slurm
+from lightning_dist.run.train import run
 
 #: What srun sets in task 3 of a 2-node x 2-task job step.
 SRUN = {
@@ -36,9 +38,9 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "LOCAL_RANK": "1", "RANK": "3", "WORL
 def test_an_srun_task_is_detected_by_us_and_by_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    assert cluster.launcher(SRUN) == "slurm"
-    assert cluster.run_dir("outputs", SRUN) == "outputs/slurm-4242"
-    assert cluster.run_dir("outputs", {**SRUN, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}) == (
+    assert where.launcher(SRUN) == "slurm"
+    assert where.run_dir("outputs", SRUN) == "outputs/slurm-4242"
+    assert where.run_dir("outputs", {**SRUN, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}) == (
         "outputs/slurm-4240_2"
     )
     for name in list(os.environ):
@@ -63,15 +65,15 @@ def test_an_srun_task_is_detected_by_us_and_by_lightning(monkeypatch: pytest.Mon
     ids=["stray-procid", "sbatch-script", "one-task", "stray-local-rank"],
 )
 def test_a_stray_variable_is_not_a_launcher(env: dict[str, str]) -> None:
-    assert cluster.launcher(env) is None
+    assert where.launcher(env) is None
 
 
 def test_torchrun_and_restarts() -> None:
-    assert cluster.launcher(TORCHRUN) == "torchrun"
-    assert cluster.run_dir("outputs", TORCHRUN) == "outputs/torchrun-job7"
-    assert cluster.restart_count({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}) == 2
-    assert cluster.restart_count({**SRUN, "SLURM_RESTART_COUNT": "1"}) == 1
-    assert cluster.restart_count({"SLURM_RESTART_COUNT": "1"}) == 0  # not a rank of a job
+    assert where.launcher(TORCHRUN) == "torchrun"
+    assert where.run_dir("outputs", TORCHRUN) == "outputs/torchrun-job7"
+    assert where.restart_count({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert where.restart_count({**SRUN, "SLURM_RESTART_COUNT": "1"}) == 1
+    assert where.restart_count({"SLURM_RESTART_COUNT": "1"}) == 0  # not a rank of a job
 
 
 def _preflight(overrides: list[str], env: dict[str, str]) -> None:
@@ -142,10 +144,12 @@ def test_the_dry_run_prints_the_sbatch_script_of_a_two_node_job(tmp_path: Path, 
          "cluster.slurm.dry_run=true"],
         tmp_path,
     )  # fmt: skip
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
-    dims = check_config(cfg)  # on this GPU-less machine: a submission is not checked against local hardware
-    result = slurm.submit(cfg, f"tensor_parallel: {dims.describe()}")
+    valid = validate(cfg)  # on this GPU-less machine: a submission is not checked against local hardware
+
+    cfg, dims = valid.cfg, valid.dims
+    result = slurm.submit(cfg, f"tensor_parallel: {dims.describe()}", run)
     assert result["dry_run"] and result["job_id"] is None
     out = capsys.readouterr().out
     options = dict(line.removeprefix("#SBATCH --").split("=", 1) for line in out.splitlines() if "#SBATCH" in line)
@@ -172,23 +176,24 @@ def test_the_slurm_recipes_validate_and_keep_tensor_parallelism_inside_a_node(
 ) -> None:
     """Every check the app makes before submitting passes on this GPU-less login node; the dry run prints the job."""
     pytest.importorskip("submitit")
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     data = tmp_path / "tokens"
     data.mkdir()
     for split in ("train", "val"):
         (data / f"{split}.bin").write_bytes(b"\0" * 4 * 300_000)  # uint32 token ids
     cfg = compose_config([f"recipe={recipe}", f"data.path={data}", "cluster.slurm.dry_run=true"], tmp_path / "run")
-    dims = check_config(cfg)
+    valid = validate(cfg)
+    cfg, dims = valid.cfg, valid.dims
     cluster.check_tensor_parallel_placement(dims.tp, cfg.cluster.devices, cfg.cluster.num_nodes)
     assert dims.world_size == 8 * cfg.cluster.num_nodes and dims.tp in (1, 8)
-    slurm.submit(cfg, dims.describe())
+    slurm.submit(cfg, dims.describe(), run)
     assert f"#SBATCH --nodes={cfg.cluster.num_nodes}" in capsys.readouterr().out
 
 
 def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path, monkeypatch) -> None:
     from lightning_dist._compat import checkpoint_metadata_file
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     step = tmp_path / "checkpoints" / "step-00000004"
     step.mkdir(parents=True)
@@ -198,10 +203,10 @@ def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path,
         monkeypatch.setenv(name, value)
     overrides = [*FAST, "cluster.devices=2", "cluster.num_nodes=2"]
     with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-00000004\); continue it"):
-        check_config(compose_config(overrides, tmp_path))
+        validate(compose_config(overrides, tmp_path))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
     cfg = compose_config(overrides, tmp_path)
-    check_config(cfg)
+    cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)
 
 
@@ -235,7 +240,7 @@ def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(t
 
     from lightning_dist import _compat
     from lightning_dist._compat import checkpoint_metadata_file
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     step = tmp_path / "checkpoints" / "step-00000006"
     step.mkdir(parents=True)
@@ -246,7 +251,7 @@ def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(t
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     cfg = compose_config([*FAST, "cluster.devices=2"], tmp_path)
-    check_config(cfg)
+    cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)  # continued from the newest checkpoint of the job's folder
 
     calls = []

@@ -246,16 +246,14 @@ def test_resume_mid_epoch_continues_the_same_stream() -> None:
 def test_data_beyond_the_vocabulary_or_binary_as_text_fails_before_launch(tmp_path: Path) -> None:
     from helpers import FAST, compose_config
 
-    from lightning_dist.app import check_config
+    from lightning_dist.config.validate import validate
 
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     np.arange(300, dtype=np.uint16).tofile(tokens / "train.bin")  # ids up to 299 with data.vocab_size=256
     np.arange(100, dtype=np.uint16).tofile(tokens / "val.bin")
     with pytest.raises(ValueError, match=r"train.bin' holds token id 299, beyond data.vocab_size=256; set data.vocab"):
-        check_config(
-            compose_config([*FAST, "data=tokens", f"data.path={tokens}", "data.seq_len=8", "data.vocab_size=256"])
-        )
+        validate(compose_config([*FAST, "data=tokens", f"data.path={tokens}", "data.seq_len=8", "data.vocab_size=256"]))
     (tmp_path / "model.bin").write_bytes(b"weights\x00\x01" * 100)
     with pytest.raises(ValueError, match=r"model.bin' is binary \(a NUL byte at offset 7\); data=text reads text"):
-        check_config(compose_config([*FAST, "data=text", f"data.path={tmp_path / 'model.bin'}"]))
+        validate(compose_config([*FAST, "data=text", f"data.path={tmp_path / 'model.bin'}"]))

@@ -10,7 +10,7 @@ from helpers import FAST, compose_config
 from torch import nn
 
 from lightning_dist import PipelineParallelStrategy
-from lightning_dist.app import check_config
+from lightning_dist.config.validate import validate
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.parallel.pipeline import (
     PipelineSpec,
@@ -93,7 +93,7 @@ def test_views_of_a_sequential_keep_original_keys() -> None:
 
 # ----------------------------------------------------------------------------------------------------- errors
 def _check(*overrides: str) -> None:
-    check_config(compose_config([*FAST, "parallelism=pp", "cluster.devices=2", *overrides]))
+    validate(compose_config([*FAST, "parallelism=pp", "cluster.devices=2", *overrides]))
 
 
 def test_pp_greater_than_the_number_of_blocks() -> None:
@@ -129,4 +129,4 @@ def test_unknown_schedule_lists_the_valid_ones() -> None:
 def test_registered_in_lightning() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    assert StrategyRegistry.get("pipeline_parallel").schedule_name == "1F1B"
+    assert StrategyRegistry.get("pipeline_parallel").options.schedule == "1F1B"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import compose_config
 
-from lightning_dist.config import HardwareConfig, PlanConfig
+from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.plan.cost import Layout, estimate, flops_per_token_of, rank_params, stage_params
 from lightning_dist.plan.search import layouts, rank

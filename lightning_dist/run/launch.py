@@ -31,8 +31,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dist import cluster, heartbeat
 from lightning_dist._compat import run_atexit_handlers
+from lightning_dist.callbacks import heartbeat
+from lightning_dist.config import environment
 
 #: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
 PREEMPTED_EXIT_CODE = 75
@@ -40,7 +41,7 @@ PREEMPTED_EXIT_CODE = 75
 SHUTDOWN_GRACE_S = 300.0
 
 #: Imported once by the forkserver, so that every rank starts with them loaded.
-_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.app"]
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.run.fit"]
 
 #: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
 
@@ -58,9 +59,9 @@ class RankFailedError(RuntimeError):
 def launched_externally() -> bool:
     """True when this process is already one rank of a launched job (ours, torchrun or SLURM's srun).
 
-    Only a launcher's full set of variables counts (see :func:`lightning_dist.cluster.launcher`).
+    Only a launcher's full set of variables counts (see :func:`lightning_dist.config.environment.launcher`).
     """
-    return cluster.launcher() is not None
+    return environment.launcher() is not None
 
 
 def free_port() -> int:
@@ -100,7 +101,7 @@ def launch(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
-        cluster.OURS_ENV: str(os.getpid()),
+        environment.OURS_ENV: str(os.getpid()),
     }
     with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
         results = Path(tmp)
@@ -119,7 +120,7 @@ def launch(
 @contextmanager
 def _forward_signals(processes: list) -> Iterator[None]:
     """SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 to the launcher go to every rank as SIGTERM: they stop at the next step
-    boundary and save (see :mod:`lightning_dist.preemption`). A second signal, or ranks still running
+    boundary and save (see :mod:`lightning_dist.callbacks.preemption`). A second signal, or ranks still running
     ``SHUTDOWN_GRACE_S`` after the first, are killed: no rank outlives the job."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
@@ -201,7 +202,7 @@ def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None
 
 
 def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
-    """End the job when a rank has been silent for longer than it allowed (see :mod:`lightning_dist.heartbeat`).
+    """End the job when a rank has been silent for longer than it allowed (see :mod:`lightning_dist.callbacks.heartbeat`).
 
     A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
     oldest is named (the one that stopped first, or one of those waiting on it).
@@ -240,7 +241,7 @@ def _run_rank(
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
-    _exit_with_launcher(int(env[cluster.OURS_ENV]))
+    _exit_with_launcher(int(env[environment.OURS_ENV]))
     import torch
 
     torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
-"""The Hydra training app: ``lightning-dist-train`` (or ``python -m lightning_dist.train``).
+"""The Hydra training app: ``lightning-dist-train`` (or ``python -m lightning_dist.run.train``).
 
 One job = compose the config, check the layout, start the ranks ourselves (so Hydra multiruns work: see
-:mod:`lightning_dist.launch`), run Lightning's ``Trainer.fit`` on every rank, and print where things went.
+:mod:`lightning_dist.run.launch`), run Lightning's ``Trainer.fit`` on every rank, and print where things went.
 """
 
 from __future__ import annotations
@@ -10,22 +10,28 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lightning_dist.config import TrainConfig, register_configs, to_train_config
-from lightning_dist.launch import PREEMPTED_EXIT_CODE, RankFailedError, launch, launched_externally
+from lightning_dist.checkpoint.store import latest_checkpoint
+from lightning_dist.config.environment import is_global_zero, should_submit
+from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
+from lightning_dist.config.validate import ValidRun, validate
+from lightning_dist.plan.estimate_run import predicted_and_measured
+from lightning_dist.run import slurm
+from lightning_dist.run.cluster import preflight
+from lightning_dist.run.fit import fit
+from lightning_dist.run.launch import PREEMPTED_EXIT_CODE, RankFailedError, launch, launched_externally
+from lightning_dist.telemetry.report import render, write_summary
 
 log = logging.getLogger("lightning_dist")
 
 register_configs()
-
-#: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
-#: finds them as an editable install does.
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def main() -> None:
@@ -35,11 +41,7 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
-    from hydra.core.hydra_config import HydraConfig
-
-    from lightning_dist.slurm import adopt_submitit_environment
-
-    adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
+    slurm.adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
     output_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
     try:
         train_cfg = to_train_config(cfg)
@@ -63,38 +65,33 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, run it on ``cluster.devices`` local ranks (or in this rank under torchrun/SLURM), report."""
-    from lightning_dist import slurm
-    from lightning_dist.app import check_config, fit
-    from lightning_dist.cluster import preflight
-
-    dims = check_config(cfg)
+    valid = validate(cfg)
+    cfg, dims = valid.cfg, valid.dims
     out_dir = Path(cfg.output_dir)
     _check_writable(out_dir)
-    if slurm.should_submit(cfg):  # on the login node
-        result = slurm.submit(cfg, f"{cfg.parallelism.strategy}: {dims.describe()}")
+    if should_submit(cfg.cluster):  # on the login node
+        result = slurm.submit(cfg, valid.layout, run)
         if "steps" in result:  # submitit's local executor ran it here
             _print_summary(result)
         return result
     start = time.perf_counter()
     if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
         preflight(cfg, dims)
-        result = fit(cfg, dims=dims)
+        result = fit(valid)
         if result.get("preempted") and cfg.cluster.slurm.requeue:
             slurm.requeue()
     else:
-        result = _launch_with_restarts(cfg, dims, out_dir)
+        result = _launch_with_restarts(valid)
     result["wall_time_s"] = time.perf_counter() - start
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # one writer per job (srun sets no RANK)
-        _write_report(cfg, dims, result)
+    if is_global_zero():  # one writer per job
+        _write_report(valid, result)
     _print_summary(result)
     return result
 
 
-def _write_report(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> None:
+def _write_report(valid: ValidRun, result: dict[str, Any]) -> None:
     """``report.json`` always; ``report.html`` and its PNGs unless ``trainer.report=false``."""
-    from lightning_dist.plan.estimate_run import predicted_and_measured
-    from lightning_dist.telemetry.report import render, write_summary
-
+    cfg, dims = valid.cfg, valid.dims
     result["ranks"] = [{"rank": rank, **dims.coordinates(rank)} for rank in range(min(dims.world_size, 256))]
     result["prediction"], result["hardware"] = predicted_and_measured(cfg, dims, result), cfg.hardware.name
     write_summary(Path(result["output_dir"]), result)
@@ -102,22 +99,21 @@ def _write_report(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> None:
         result["report"] = str(render(Path(result["output_dir"])))
 
 
-def _launch_with_restarts(cfg: TrainConfig, dims: Any, out_dir: Path) -> dict[str, Any]:
+def _launch_with_restarts(valid: ValidRun) -> dict[str, Any]:
     """Run the ranks; when one dies or hangs, start them again from the newest checkpoint, ``max_restarts`` times.
 
     A failure that would only repeat (a non-finite step, a bad value found on a rank) is not restarted.
     """
-    from lightning_dist.app import fit
-    from lightning_dist.checkpoint import latest_checkpoint
-
+    cfg = valid.cfg
+    out_dir = Path(cfg.output_dir)
     for attempt in range(cfg.trainer.max_restarts + 1):
         try:
-            return launch(fit, cfg.cluster.devices, cfg, (), dims)[0]
+            return launch(fit, cfg.cluster.devices, valid)[0]
         except RankFailedError as err:
             if attempt == cfg.trainer.max_restarts or err.message.startswith(_NOT_RESTARTED):
                 raise
             latest = latest_checkpoint(out_dir / "checkpoints")
-            cfg.ckpt_path = str(latest) if latest is not None else None
+            valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
             line = (
                 f"restart {attempt + 1}/{cfg.trainer.max_restarts}: {err}; from "
                 f"{latest if latest is not None else 'the start (no checkpoint yet)'}"
@@ -147,7 +143,7 @@ def _check_writable(out_dir: Path) -> None:
 
 
 def _print_summary(result: dict[str, Any]) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_global_zero():
         return
     floor = result.get("loss_floor")
     lines = [

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config import TrainConfig, register_configs, to_train_config
+from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "conf" / "recipe" / "golden"
+GOLDEN_DIR = CONF_DIR / "recipe" / "golden"
 DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "tokens_per_sec_band": [0.2, 5.0], "memory_band": [0.5, 2.0]}
 
 
@@ -46,7 +46,7 @@ def compose(recipe: str, overrides: list[str]) -> TrainConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from lightning_dist.train import CONF_DIR
+    from lightning_dist.config.schema import CONF_DIR
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -57,7 +57,7 @@ def compose(recipe: str, overrides: list[str]) -> TrainConfig:
 
 def measure(recipe: str, steps: int | None, out_dir: Path, halves: bool) -> dict[str, Any]:
     """Run the recipe (in two halves with a resume between them when ``halves``) and return what was measured."""
-    from lightning_dist.train import run
+    from lightning_dist.run.train import run
 
     base = compose(recipe, [])
     total = base.trainer.max_steps

@@ -25,10 +25,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from lightning_dist import _compat
-from lightning_dist.checkpoint import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.weights import MODULE_ATTR
 
 _PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; DCP flattens nested keys with dots
-_MODULE_ATTR = "model."  # GPTModule.model and HFCausalLM.model hold the network
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,55 +147,19 @@ def _hf_plan(ckpt: Checkpoint) -> tuple[dict[str, Any], list[Any]]:
     hp = ckpt.hyper_parameters
     if isinstance(hp.get("model"), dict) and "arch" in hp["model"]:
         gpt = GPTConfig(**hp["model"])
-        plan = [Converted(c.name, tuple(_MODULE_ATTR + s for s in c.sources), c.combine) for c in hf_tensors(gpt)]
+        plan = [Converted(c.name, tuple(MODULE_ATTR + s for s in c.sources), c.combine) for c in hf_tensors(gpt)]
         return hf_config(gpt), plan
     if "hf_config" in hp:
         config = dict(hp["hf_config"])
         tied = config.get("tie_word_embeddings", False)
-        names = [n for n in ckpt.names if n.startswith(_MODULE_ATTR)]
+        names = [n for n in ckpt.names if n.startswith(MODULE_ATTR)]
         kept = [n for n in names if not (tied and n.endswith("lm_head.weight"))]  # transformers re-ties the head
-        plan = [Converted(n[len(_MODULE_ATTR) :], (n,), _same) for n in kept]
+        plan = [Converted(n[len(MODULE_ATTR) :], (n,), _same) for n in kept]
         return config, plan
     raise ValueError(
         f"{ckpt.path} holds neither the built-in GPT nor an HFCausalLM (hyper_parameters: {sorted(hp) or 'none'}); "
         "export your own module with --format torch (OUT ending in .pt)."
     )
-
-
-def is_hf_folder(path: Path) -> bool:
-    """Whether ``path`` is a HuggingFace model folder (``config.json`` and safetensors)."""
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[str, str]:
-    """For each of ``module``'s tensors in ``state`` (this rank's), the HuggingFace tensor it is read from.
-
-    A tied output head reads ``lm_head.weight`` where the folder has it, else the input embedding (transformers
-    leaves a tied head out of its files).
-
-    Raises:
-        ValueError: ``module`` is neither the built-in GPT nor an :class:`HFCausalLM`.
-    """
-    from lightning_dist.models.gpt_hf import from_hf_names
-    from lightning_dist.models.hf import HFCausalLM
-    from lightning_dist.models.module import GPTModule
-
-    if isinstance(module, GPTModule):
-        names = from_hf_names(module.model_config)
-        sources = {name: names[name[len(_MODULE_ATTR) :]] for name in state}
-    elif isinstance(module, HFCausalLM):
-        sources = {name: name[len(_MODULE_ATTR) :] for name in state}
-    else:
-        raise ValueError(
-            f"init_from a HuggingFace folder needs the built-in GPT or model=hf, not {type(module).__name__}; start "
-            "from a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
-        )
-    for name, source in sources.items():
-        if source == "lm_head.weight" and source not in available:
-            embedding = [key for key in ("model.embed_tokens.weight", "transformer.wte.weight") if key in available]
-            sources[name] = embedding[0] if embedding else source
-    return sources
 
 
 def _shards(ckpt: Checkpoint, plan: list[Any], dtype: torch.dtype | None, limit: int) -> Iterator[list[Any]]:

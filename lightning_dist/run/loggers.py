@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config import LoggerConfig, TrainConfig
+from lightning_dist.config.schema import LoggerConfig, TrainConfig
 
 
 def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig, continue_from: Path | None = None):

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_dist.launch import PREEMPTED_EXIT_CODE
+from lightning_dist.run.launch import PREEMPTED_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preemption"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)

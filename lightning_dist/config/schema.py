@@ -8,6 +8,7 @@ field is its help text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -16,6 +17,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
+
+#: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
+#: finds them as an editable install does.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @dataclass
@@ -336,7 +341,7 @@ def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
 
 def register_configs() -> None:
     """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
-    from lightning_dist.cluster import run_dir
+    from lightning_dist.config.environment import run_dir
 
     if not OmegaConf.has_resolver("ld_run_dir"):  # hydra.run.dir: one folder for every rank, node and restart
         OmegaConf.register_new_resolver("ld_run_dir", run_dir, use_cache=True)

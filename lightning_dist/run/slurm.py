@@ -3,10 +3,10 @@ preemption, and print what would be submitted.
 
 ``lightning-dist-train cluster=slurm cluster.num_nodes=2 ...`` on a login node submits one job of ``num_nodes`` x
 ``devices`` tasks (one per device: ``--ntasks-per-node`` = ``cluster.devices``, as Lightning's SLURM environment
-requires). Each task runs :func:`lightning_dist.train.run` as one rank; all share the run folder decided here.
+requires). Each task runs :func:`lightning_dist.run.train.run` as one rank; all share the run folder decided here.
 
 The job is sent ``SIGUSR2`` (submitit's ``--signal``) ``signal_delay_s`` before its time limit, and SIGTERM when
-preempted: the ranks stop after the same step and save (:mod:`lightning_dist.preemption`), rank 0 requeues the job,
+preempted: the ranks stop after the same step and save (:mod:`lightning_dist.callbacks.preemption`), rank 0 requeues the job,
 and the requeued job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with the same
 W&B run.
 
@@ -19,20 +19,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_dist import _compat, cluster
-from lightning_dist.config import TrainConfig
+from lightning_dist import _compat
+from lightning_dist.config.environment import is_global_zero, launcher
+from lightning_dist.config.schema import TrainConfig
 
 
-def should_submit(cfg: TrainConfig) -> bool:
-    """``cluster.launcher=slurm`` on a login node: not already a rank, nor inside a submitit job."""
-    return cfg.cluster.launcher == "slurm" and cluster.launcher() is None and "SUBMITIT_EXECUTOR" not in os.environ
-
-
-def submit(cfg: TrainConfig, layout: str) -> dict[str, Any]:
+def submit(cfg: TrainConfig, layout: str, run: Callable[[TrainConfig], dict[str, Any]]) -> dict[str, Any]:
     """Submit ``cfg`` (or print it, with ``cluster.slurm.dry_run``); with the ``local`` executor, run it and wait.
+
+    ``run`` is what each task calls with ``cfg`` (the app's :func:`lightning_dist.run.train.run`; passed in, so
+    this module does not import the app that imports it).
 
     Returns:
         ``{"output_dir", "job_id", "layout"}``, and the run's summary when it ran here.
@@ -43,7 +43,7 @@ def submit(cfg: TrainConfig, layout: str) -> dict[str, Any]:
         print(_compat.sbatch_script(executor))
         print(describe(cfg, layout))
         return {"output_dir": str(out_dir), "job_id": None, "layout": layout, "dry_run": True}
-    job = executor.submit(Job(cfg))
+    job = executor.submit(Job(cfg, run))
     print(f"submitted job {job.job_id}: {describe(cfg, layout)}; logs in {out_dir / '.submitit'}", flush=True)
     result = {"output_dir": str(out_dir), "job_id": job.job_id, "layout": layout}
     if cfg.cluster.slurm.executor == "local":
@@ -96,14 +96,12 @@ def describe(cfg: TrainConfig, layout: str) -> str:
 class Job:
     """What each SLURM task runs: one rank of the training job (picklable: submitit sends it to the nodes)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, run: Callable[[TrainConfig], dict[str, Any]]) -> None:
+        self.cfg, self.run = cfg, run
 
     def __call__(self) -> dict[str, Any]:
-        from lightning_dist.train import run
-
         adopt_submitit_environment()
-        result = run(self.cfg)
+        result = self.run(self.cfg)
         if result.get("preempted") and self.cfg.cluster.slurm.requeue:
             requeue()
         return {k: v for k, v in result.items() if k != "history"}
@@ -124,7 +122,7 @@ def adopt_submitit_environment() -> None:
 
 def requeue() -> None:
     """Put this SLURM job (or array task) back in the queue; global rank 0 only, once the checkpoint is written."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0" or cluster.launcher() != "slurm":
+    if not is_global_zero() or launcher() != "slurm":
         return
     job = os.environ.get("SLURM_JOB_ID", "")
     if "SLURM_ARRAY_JOB_ID" in os.environ:

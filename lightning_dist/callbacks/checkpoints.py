@@ -1,0 +1,161 @@
+"""Checkpoints during a run, each published only when complete, and weights a new run starts from."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_dist.callbacks import heartbeat
+from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
+from lightning_dist.checkpoint.weights import load_weights
+
+
+class InitWeights(pl.Callback):
+    """Start a new run from the weights in ``path`` (see :func:`load_weights`), once the layout is applied."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with heartbeat.busy(trainer.global_step):
+            load_weights(self.path, pl_module)
+
+
+class RunCheckpoints(pl.Callback):
+    """Checkpoints during the run, each published only once complete, the newest ``keep_last`` kept.
+
+    A checkpoint is written by Lightning's own flow (``trainer.save_checkpoint``: model, optimizer, LR schedule,
+    loops, data position) under a temporary name, then renamed to ``step-<N>`` and named in the ``latest`` file
+    (written to a temporary file, flushed to disk and renamed: atomic on POSIX). A crash mid-save leaves only a
+    ``.partial`` folder and the previous checkpoint still named as latest; older checkpoints are pruned only after a
+    newer one is published. Saves happen after an optimizer step: every ``every_n_steps``, once ``every_n_minutes``
+    have passed since the last one (rank 0's clock decides for all), and at the end of training.
+
+    With a strategy that saves asynchronously (``MeshStrategy(async_save=True)``) the step waits only for the copy
+    to host memory; rank 0 publishes the checkpoint at the first step boundary after its write completed, and every
+    rank waits for its own write before the next save and at the end.
+
+    Args:
+        dirpath: The run's checkpoint folder.
+        every_n_steps: Save every this many optimizer steps (``None``: not by steps).
+        every_n_minutes: Save when this much wall time has passed since the last save (``None``: not by time).
+        keep_last: Complete checkpoints to keep (the newest ones).
+    """
+
+    def __init__(
+        self, dirpath: Path, every_n_steps: int | None = None, every_n_minutes: float | None = None, keep_last: int = 2
+    ) -> None:
+        self.dirpath = Path(dirpath)
+        self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
+        self.last_path: Path | None = None
+        self.blocked_s: list[float] = []  #: how long each save held the training loop
+        self.written_s: list[float] = []  #: how long each save took until its files were complete (this rank's)
+        self._last_step = -1
+        self._last_time = time.monotonic()
+        self._pending: tuple[Any, Path, Path] | None = None  # (future, partial folder, final folder)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step, self._last_time = trainer.global_step, time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a gradient-accumulation micro batch: no optimizer step yet
+        if self._pending is not None and trainer.is_global_zero and self._pending[0].done():
+            self._publish(trainer)
+        if self.every_n_steps is not None and step % self.every_n_steps == 0:
+            self.save(trainer)
+        elif self.every_n_minutes is not None:
+            due = time.monotonic() - self._last_time >= 60 * self.every_n_minutes
+            if trainer.strategy.broadcast(due):  # rank 0's clock decides, so every rank saves at the same step
+                self.save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self.save(trainer)
+        self.wait(trainer)
+
+    def save(self, trainer: pl.Trainer) -> Path:
+        """Write, publish and prune; every rank calls it (the save is collective)."""
+        self.wait(trainer)  # one write in flight at a time
+        started = time.monotonic()
+        step = trainer.global_step
+        final = self.dirpath / f"step-{step:08d}"
+        partial = self.dirpath / f".step-{step:08d}.partial"
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            remove(partial)
+        trainer.strategy.barrier()
+        with heartbeat.busy(step):  # a save may take minutes: the launcher must not take it for a hang
+            trainer.save_checkpoint(partial)
+        future = getattr(trainer.strategy, "pending_save", None)
+        if future is not None:
+            trainer.strategy.pending_save = None
+            future.add_done_callback(lambda _: self.written_s.append(time.monotonic() - started))
+            self._pending = (future, partial, final)
+        else:
+            trainer.strategy.barrier()  # every rank's files are written
+            self.written_s.append(time.monotonic() - started)
+            if trainer.is_global_zero:
+                self._publish_folder(partial, final)
+            trainer.strategy.barrier()
+            self.last_path = final
+        self._last_step, self._last_time = step, time.monotonic()
+        self.blocked_s.append(self._last_time - started)
+        return final
+
+    def wait(self, trainer: pl.Trainer) -> None:
+        """Wait for the write in flight (every rank, its own), then publish it."""
+        if self._pending is None:
+            return
+        with heartbeat.busy(trainer.global_step):
+            self._pending[0].result()  # raises what the write raised
+            trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            self._publish(trainer)
+        self.last_path, self._pending = self._pending[2], None
+        trainer.strategy.barrier()
+
+    def _publish(self, trainer: pl.Trainer) -> None:
+        future, partial, final = self._pending
+        future.result()
+        self._publish_folder(partial, final)
+        self._pending = (_DONE, partial, final)  # the other ranks still wait for their own writes in wait()
+
+    def _publish_folder(self, partial: Path, final: Path) -> None:
+        if partial.exists():  # not yet published
+            remove(final)
+            partial.rename(final)
+            pointer = self.dirpath / f".{LATEST}.tmp"
+            with pointer.open("w") as file:
+                file.write(final.name + "\n")
+                file.flush()
+                os.fsync(file.fileno())  # durable before it names the checkpoint
+            pointer.replace(self.dirpath / LATEST)
+            directory = os.open(self.dirpath, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the renames too
+            finally:
+                os.close(directory)
+            for old in complete_checkpoints(self.dirpath)[: -self.keep_last]:
+                remove(old)
+        self.last_path = final
+
+
+class _Done:
+    """A finished future."""
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+    @staticmethod
+    def result() -> None:
+        return None
+
+
+_DONE = _Done()

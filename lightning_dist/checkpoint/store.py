@@ -1,0 +1,134 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``) for every layout, pipelines included.
+
+Parameter names are always the full model's (pipeline splitting keeps them), and the optimizer state is stored
+flattened, one key per parameter (``state.layers.0.w.exp_avg``, ``param_groups.layers.0.w.lr``). Lightning's nested
+form has one ``param_groups`` entry per optimizer, which DCP keeps from a single rank; pipeline ranks hold different
+parameters, so the others would lose their groups on load (torchtitan flattens too). So every rank saves and loads
+exactly its own keys.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lightning_dist import _compat
+
+_OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+_OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The flattened, CPU-offloaded state of ``optimizer`` over ``model``'s parameters, as DCP saves it."""
+    return get_optimizer_state_dict(model, optimizer, options=_OPTIM_STATE_SAVE)
+
+
+def load_sharded(
+    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load the sharded checkpoint folder ``path`` into ``model`` and ``optimizers`` in place, under any layout.
+
+    Every rank asks DCP for exactly the keys its model and optimizers hold (plain tensors of a pipeline stage and
+    DTensors of TP / FSDP2 alike), so a rank's stages and shards are filled from whatever layout wrote the files.
+
+    Returns:
+        The rest of Lightning's checkpoint (loops, callbacks, LR schedulers, ...), for Lightning to restore.
+    """
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for idx, optimizer in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_STATE_LOAD)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for idx, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_STATE_LOAD)
+    return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
+
+
+def save_async(strategy: Any, checkpoint: dict[str, Any], path: Path) -> Any:
+    """Start writing Lightning's ``checkpoint`` to the folder ``path`` in the background; return the write's future.
+
+    Lightning's sharded layout (the ``state_dict`` / ``optimizer_<i>`` entries through DCP, the rest in one file from
+    rank 0). DCP copies the state to host memory before this returns, so training may change the weights at once.
+    The background thread's collectives run on a gloo group of their own, never beside the training's on one group.
+    The folder is complete when rank 0's future is done (DCP writes ``.metadata`` after every rank's data).
+    """
+    if getattr(strategy, "_checkpoint_group", None) is None:
+        strategy._checkpoint_group = torch.distributed.new_group(backend="gloo")
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    future = dcp.async_save(state, checkpoint_id=path, process_group=strategy._checkpoint_group)
+    if strategy.global_rank == 0:
+        torch.save(checkpoint, path / _compat.checkpoint_metadata_file())
+    return future
+
+
+# ------------------------------------------------------------------------------------------ during the run
+LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
+
+
+def complete_checkpoints(dirpath: Path) -> list[Path]:
+    """The published checkpoints in ``dirpath``, oldest first (``.partial`` ones are unfinished saves)."""
+    if not Path(dirpath).is_dir():
+        return []
+    return sorted(p for p in Path(dirpath).iterdir() if p.name.startswith("step-"))
+
+
+def latest_checkpoint(dirpath: Path) -> Path | None:
+    """The checkpoint the ``latest`` file names, else the newest published one that is whole; ``None`` if none."""
+    pointer = Path(dirpath) / LATEST
+    if pointer.is_file():
+        named = Path(dirpath) / pointer.read_text().strip()
+        if named.exists() and damage(named) is None:
+            return named
+    whole = [path for path in complete_checkpoints(dirpath) if damage(path) is None]
+    return whole[-1] if whole else None
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot be loaded (missing parts, a truncated file), or ``None`` if it looks whole.
+
+    A sharded folder is whole once DCP wrote ``.metadata`` (its last step) and Lightning its own file; a single file
+    is a zip archive (``torch.save``) whose directory, at its end, is readable.
+    """
+    path = Path(path)
+    if path.is_dir():
+        missing = [name for name in (".metadata", _compat.checkpoint_metadata_file()) if not (path / name).is_file()]
+        return f"missing {', '.join(missing)}" if missing else None
+    if not path.is_file():
+        return "no such file or folder"
+    return None if zipfile.is_zipfile(path) else "not a complete torch.save archive (truncated?)"
+
+
+def check_loadable(path: Path) -> None:
+    """Raise one line naming ``path``, what is wrong with it and the newest whole checkpoint beside it.
+
+    Raises:
+        ValueError: The checkpoint is damaged.
+    """
+    problem = damage(path)
+    if problem is None:
+        return
+    good = latest_checkpoint(Path(path).parent)
+    fallback = f"the newest whole checkpoint there is {good}" if good else "there is no whole checkpoint beside it"
+    raise ValueError(f"checkpoint {path} cannot be loaded ({problem}); {fallback}.")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,96 @@
+"""Weights read into any layout: each rank reads only the slices its shards and stages hold, from a sharded
+checkpoint folder or a HuggingFace folder (safetensors, through their names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from lightning_dist.models.gpt_hf import from_hf_names
+from lightning_dist.models.hf import HFCausalLM
+from lightning_dist.models.module import GPTModule
+
+MODULE_ATTR = "model."  # GPTModule.model and HFCausalLM.model hold the network
+
+
+def is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` is a HuggingFace model folder (``config.json`` and safetensors)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[str, str]:
+    """For each of ``module``'s tensors in ``state`` (this rank's), the HuggingFace tensor it is read from.
+
+    A tied output head reads ``lm_head.weight`` where the folder has it, else the input embedding (transformers
+    leaves a tied head out of its files).
+
+    Raises:
+        ValueError: ``module`` is neither the built-in GPT nor an :class:`HFCausalLM`.
+    """
+    if isinstance(module, GPTModule):
+        names = from_hf_names(module.model_config)
+        sources = {name: names[name[len(MODULE_ATTR) :]] for name in state}
+    elif isinstance(module, HFCausalLM):
+        sources = {name: name[len(MODULE_ATTR) :] for name in state}
+    else:
+        raise ValueError(
+            f"init_from a HuggingFace folder needs the built-in GPT or model=hf, not {type(module).__name__}; start "
+            "from a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
+        )
+    for name, source in sources.items():
+        if source == "lm_head.weight" and source not in available:
+            embedding = [key for key in ("model.embed_tokens.weight", "transformer.wte.weight") if key in available]
+            sources[name] = embedding[0] if embedding else source
+    return sources
+
+
+def weight_sources(path: Path, module: nn.Module, state: dict[str, Any]) -> dict[str, str]:
+    """For each tensor of ``state`` (``module``'s, this rank's), the key it is read from in ``path``.
+
+    Raises:
+        ValueError: ``path`` lacks a tensor the module needs, or holds it with another shape (one line).
+    """
+    available = reader(path).read_metadata().state_dict_metadata
+    if is_hf_folder(path):
+        sources = hf_source_names(module, state, available)
+    else:
+        sources = {name: f"state_dict.{name}" for name in state}
+    for name, source in sources.items():
+        shape = tuple(state[name].shape)
+        if source not in available:
+            raise ValueError(f"init_from={path} has no tensor {source} (for {name}); is it this model's checkpoint?")
+        if tuple(available[source].size) != shape:
+            raise ValueError(
+                f"init_from={path}: {source} has shape {tuple(available[source].size)} there and {shape} here; set "
+                "the model config the weights were trained with."
+            )
+    return sources
+
+
+def load_weights(path: Path, module: nn.Module) -> None:
+    """Fill ``module``'s weights in place from a HuggingFace folder or a checkpoint folder, under any layout.
+
+    Every rank reads only the slices its shards and stages hold (DCP's resharding; ``HuggingFaceStorageReader`` for
+    safetensors). The optimizer, schedule and data position are not read: a new run starts from these weights.
+
+    Raises:
+        ValueError: See :func:`weight_sources`.
+    """
+    state = get_model_state_dict(module)
+    sources = weight_sources(path, module, state)
+    # One DCP read per pass, each source key at most once per pass (a tied head and embedding share one source).
+    passes: list[dict[str, Any]] = [{}, {}]
+    for name, source in sources.items():
+        passes[0 if source not in passes[0] else 1][source] = state[name]
+    for targets in passes:  # every rank runs both passes: DCP's planning is collective
+        dcp.load(targets, storage_reader=reader(path))  # a reader is stateful: a new one per load
+    set_model_state_dict(module, state)
+
+
+def reader(path: Path) -> Any:
+    return dcp.HuggingFaceStorageReader(str(path)) if is_hf_folder(path) else dcp.FileSystemReader(str(path))

@@ -1,0 +1,163 @@
+"""Where this process runs, read from its environment alone (no process group, nothing heavy imported): the
+launcher (ours, torchrun, SLURM's ``srun``), the run
+folder that every rank, node and restart of one job shares, and whether this start is a restart.
+
+Only a real launcher's variables count: torchrun sets ``TORCHELASTIC_RUN_ID`` with ``LOCAL_RANK`` and
+``WORLD_SIZE``; ``srun`` sets ``SLURM_STEP_ID`` with ``SLURM_PROCID`` and ``SLURM_NTASKS``. A variable left over in a
+shell (a stray ``SLURM_PROCID``, an ``sbatch`` script's own environment) does not make a process a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: Set in every rank our own launcher starts (:mod:`lightning_dist.run.launch`): the launcher's pid.
+OURS_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
+
+
+def launcher(env: Mapping[str, str] = os.environ) -> str | None:
+    """``"ours"``, ``"torchrun"``, ``"slurm"`` (one ``srun`` task of several), ``"submitit"`` (a task of submitit's
+    local executor), or ``None`` (a plain process)."""
+    if OURS_ENV in env:
+        return "ours"
+    if all(var in env for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE")):
+        return "torchrun"
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and env_int(env.get("SLURM_NTASKS")) > 1:
+        return "slurm"
+    if env.get("SUBMITIT_EXECUTOR") == "local" and "RANK" in env and env_int(env.get("WORLD_SIZE")) > 1:
+        return "submitit"  # submitit's local executor, its variables exported (slurm.adopt_submitit_environment)
+    return None
+
+
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """How many times the external launcher restarted this job (torchrun ``--max-restarts``, a SLURM requeue)."""
+    kind = launcher(env)
+    if kind == "torchrun":
+        return env_int(env.get("TORCHELASTIC_RESTART_COUNT"))
+    if kind == "slurm":
+        return env_int(env.get("SLURM_RESTART_COUNT"))
+    return 0
+
+
+def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
+    """The run folder (Hydra's ``hydra.run.dir``): the same for every rank, node and restart of one job.
+
+    - torchrun: ``<root>/torchrun-<rdzv id>``; with torchrun's default id ``none``, the start time of the torchrun
+      agent (the ranks' parent), so all its ranks and restarts agree (one node: several need ``--rdzv-id``).
+    - SLURM (``srun``): ``<root>/slurm-<job id>`` (``<array job>_<task>`` in an array), kept across requeues.
+    - Otherwise: ``<root>/<date>/<time>``, now.
+    """
+    kind = launcher(env)
+    if kind == "torchrun":
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        if run_id and run_id != "none":
+            return f"{root}/torchrun-{run_id}"
+        return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S', time.localtime(_start_time(os.getppid())))}"
+    if kind == "slurm":
+        if "SLURM_ARRAY_JOB_ID" in env:
+            return f"{root}/slurm-{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '0')}"
+        return f"{root}/slurm-{env.get('SLURM_JOB_ID', 'unknown')}"
+    return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S')}"
+
+
+def _start_time(pid: int) -> float:
+    """When process ``pid`` started (epoch seconds), from ``/proc``; now where that cannot be read."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def env_int(value: str | None) -> int:
+    """An integer environment variable's value; 0 when unset or not a number."""
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
+
+
+# -------------------------------------------------------------------------------------------- before launch
+def resolve_accelerator(accelerator: str) -> str:
+    """``auto`` is ``gpu`` where CUDA devices are visible, else ``cpu``; other names are kept."""
+    if accelerator == "auto":
+        return "gpu" if cuda_count() > 0 else "cpu"
+    return accelerator
+
+
+def check_submission(cluster: Any) -> None:
+    """A SLURM job's shape and options, on the login node before submitting."""
+    s = cluster.slurm
+    if cluster.devices < 1 or cluster.num_nodes < 1:
+        raise ValueError(f"cluster.devices={cluster.devices} and cluster.num_nodes={cluster.num_nodes} must be >= 1.")
+    if s.time_min < 1:
+        raise ValueError(f"cluster.slurm.time_min={s.time_min} must be >= 1 (minutes).")
+    if not 0 <= s.signal_delay_s < 60 * s.time_min:
+        raise ValueError(
+            f"cluster.slurm.signal_delay_s={s.signal_delay_s} must be >= 0 and less than the time limit "
+            f"({60 * s.time_min} s): it is how long before the limit the job is told to save."
+        )
+    if s.executor == "local" and (cluster.num_nodes > 1 or cluster.accelerator != "cpu"):
+        raise ValueError(
+            f"cluster.slurm.executor=local runs on this machine: it needs cluster.num_nodes=1 (got "
+            f"{cluster.num_nodes}) and cluster.accelerator=cpu (got {cluster.accelerator})."
+        )
+
+
+def check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
+    """This machine can run ``devices`` local ranks of ``accelerator`` (a multi-node job: one start per node)."""
+    if devices < 1:
+        raise ValueError(f"cluster.devices={devices} must be >= 1.")
+    if num_nodes > 1 and launcher() is None:
+        raise ValueError(
+            f"cluster.num_nodes={num_nodes}: a multi-node job is started once per node by torchrun or SLURM "
+            "(e.g. torchrun --nnodes=N --nproc-per-node=8 -m lightning_dist.run.train ...); run it that way."
+        )
+    if accelerator in ("gpu", "cuda"):
+        available = cuda_count()
+        if available == 0:
+            raise ValueError(
+                f"cluster.accelerator={accelerator} but no CUDA device is visible; "
+                "use cluster=local_cpu on this machine."
+            )
+        if devices > available:
+            raise ValueError(
+                f"cluster.devices={devices} but only {available} CUDA device(s) are visible; "
+                f"use cluster.devices<={available}."
+            )
+    elif accelerator == "cpu":
+        # CPU ranks can share cores (tests run 4 gloo ranks on 2 cores); beyond 2 per core they only thrash.
+        cores = os.cpu_count() or 1
+        limit = max(4, 2 * cores)
+        if devices > limit:
+            raise ValueError(
+                f"cluster.devices={devices} CPU processes is too many for {cores} cores; use cluster.devices<={limit}."
+            )
+    else:
+        raise ValueError(f"cluster.accelerator={accelerator!r} is unknown; use cpu, gpu or auto.")
+
+
+def cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def is_global_zero(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is rank 0 of its job (or not a rank at all), from the launcher's variables: ``RANK``
+    (ours, torchrun, submitit) or ``SLURM_PROCID`` (``srun`` sets no ``RANK``). For one writer per job before (or
+    without) a Lightning ``Trainer``; a Lightning callback uses ``trainer.is_global_zero``."""
+    return env.get("RANK", env.get("SLURM_PROCID", "0")) == "0"
+
+
+def should_submit(cluster: Any) -> bool:
+    """``cluster.launcher=slurm`` on a login node (``cluster``: the run's ``ClusterConfig``): not already a rank,
+    nor inside a submitit job."""
+    return cluster.launcher == "slurm" and launcher() is None and "SUBMITIT_EXECUTOR" not in os.environ

@@ -1,0 +1,120 @@
+"""Which run this is and where it starts: the run it continues (``resume``, ``ckpt_path``, a torchrun / SLURM
+restart) or the weights it starts from (``init_from``), resolved and checked before launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.weights import is_hf_folder, weight_sources
+from lightning_dist.config.build import build_module
+from lightning_dist.config.environment import is_global_zero, launcher, restart_count
+from lightning_dist.config.schema import HFModelConfig, TrainConfig
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.gpt_hf import from_hf_names
+
+
+def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
+    """Where the run lives and which checkpoint it continues from: ``(output_dir, ckpt_path)`` with ``resume`` /
+    ``ckpt_path=last`` / a torchrun or SLURM restart resolved; checks ``init_from`` when the run starts fresh.
+    ``cfg`` is not changed.
+
+    Raises:
+        ValueError: One line naming the value and the fix.
+    """
+
+    output_dir, ckpt_path, resume = cfg.output_dir, cfg.ckpt_path, cfg.resume
+    if ckpt_path == "last":
+        resume, ckpt_path = "auto", None
+    if resume is None and ckpt_path is None:
+        ckpt_path = _continue_after_external_restart(output_dir)
+    if resume is not None:
+        if ckpt_path is not None:
+            raise ValueError(f"resume={resume} and ckpt_path={ckpt_path}: set only one of them.")
+        run_dir, found = resolve_resume(resume, output_dir)
+        output_dir, ckpt_path = str(run_dir), str(found)
+    elif ckpt_path is not None and not Path(ckpt_path).exists():
+        raise ValueError(f"ckpt_path={ckpt_path} does not exist; give a checkpoint file or folder.")
+    if ckpt_path is not None:
+        check_loadable(Path(ckpt_path))
+    elif cfg.init_from is not None:
+        _check_init_from(cfg)
+    return output_dir, ckpt_path
+
+
+def _continue_after_external_restart(output_dir: str | None) -> str | None:
+    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint.
+
+    The first start of a torchrun / srun job whose folder (named by the rendezvous id or job id) already holds
+    checkpoints is refused: continuing or overwriting another run must be asked for.
+    """
+
+    if launcher() not in ("torchrun", "slurm"):
+        return None
+    found = latest_checkpoint(Path(output_dir) / "checkpoints") if output_dir else None
+    restarts = restart_count()
+    if found is not None and restarts == 0:
+        raise ValueError(
+            f"output_dir={output_dir} already holds a run's checkpoints (newest {found.name}); continue it with "
+            "resume=auto, or start a new run in a new folder (another --rdzv-id, or output_dir=...)."
+        )
+    if found is None:
+        return None
+    if is_global_zero():
+        print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
+    return str(found)
+
+
+def _check_init_from(cfg: TrainConfig) -> None:
+    """``init_from`` names weights this model can start from: a HuggingFace folder or a whole checkpoint folder."""
+    path = Path(cfg.init_from)
+    if is_hf_folder(path):
+        if isinstance(cfg.model, GPTConfig):
+            from_hf_names(cfg.model)  # raises for the layouts that cannot be read slice by slice
+        elif not isinstance(cfg.model, HFModelConfig):
+            raise ValueError(
+                f"init_from={path} is a HuggingFace folder, which only the built-in GPT and model=hf read; start from "
+                "a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
+            )
+    elif path.is_dir() and (path / ".metadata").exists():
+        check_loadable(path)
+    else:
+        raise ValueError(
+            f"init_from={path} is neither a HuggingFace folder (config.json + *.safetensors) nor a sharded checkpoint "
+            "folder (.metadata); export a checkpoint with lightning-dist-export, or give its checkpoints/step-N folder."
+        )
+    if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # names and shapes, on the meta device: nothing allocated
+        with torch.device("meta"):
+            module = build_module(cfg)
+            module.configure_model()
+        weight_sources(path, module, module.state_dict())
+
+
+def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:
+    """The run folder to continue and its newest complete checkpoint, for ``resume=auto`` or ``resume=<path>``.
+
+    ``auto`` continues ``output_dir``; a path names a run folder, its ``checkpoints`` folder, or one checkpoint in it.
+
+    Raises:
+        ValueError: There is no complete checkpoint to continue from (one line naming where it looked).
+    """
+    if resume == "auto":
+        if output_dir is None:
+            raise ValueError("resume=auto continues output_dir, which is not set; pass resume=<run folder>.")
+        run_dir = Path(output_dir)
+    else:
+        path = Path(resume).expanduser().resolve()
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
+        if path.parent.name == "checkpoints" and path.exists():
+            return run_dir, path
+    found = latest_checkpoint(run_dir / "checkpoints")
+    if found is None:
+        raise ValueError(
+            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}; give the folder of the run to "
+            "continue (resume=outputs/<date>/<time>), or start a new run without resume."
+        )
+    return run_dir, found

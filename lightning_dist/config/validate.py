@@ -1,0 +1,331 @@
+"""The one validation pass: every check that can be made before any process starts, in one place.
+
+:func:`validate` takes the composed config and returns a :class:`ValidRun`: a resolved copy of the config (what
+depends on this machine and on the run folder settled), its :class:`~lightning_dist.parallel_dims.ParallelDims` and
+its :class:`~lightning_dist.parallel.options.ParallelOptions`, built once and handed to every rank as they are. The
+input is never changed. Each failure is one line naming the config field, its value and the fix; rules the
+strategy must enforce at run time too (a user's own ``Trainer``) are written once, in ``ParallelOptions`` and
+``ParallelDims``, and only called from here.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+
+from hydra.utils import get_class
+
+from lightning_dist.config import environment
+from lightning_dist.config.build import num_blocks, vocab_and_length
+from lightning_dist.config.resume import resolve_start
+from lightning_dist.config.schema import ParallelismConfig, TargetConfig, TrainConfig
+from lightning_dist.data import TokenDataModule
+from lightning_dist.data.config import DataConfig, validate_data_config
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.gpt_parallel import check_tensor_parallel
+from lightning_dist.parallel.options import NONFINITE_ACTIONS, ParallelOptions
+from lightning_dist.parallel_dims import ParallelDims
+
+#: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
+#: every other name is our MeshStrategy, whose path follows from the degrees alone.
+_CANNOT_DO: dict[str, dict[str, str]] = {
+    "ddp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+        "dp_shard": "use parallelism=fsdp to shard",
+    },
+    "fsdp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+    },
+    "tensor_parallel": {"pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines"},
+    "pipeline_parallel": {},
+}
+_DOES = {
+    "ddp": "dp_replicate",
+    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
+    "tensor_parallel": "dp_replicate, dp_shard, tp",
+    "pipeline_parallel": "dp_replicate, dp_shard, tp, pp",
+}
+
+
+@dataclass(frozen=True)
+class ValidRun:
+    """A checked run: the resolved config, its layout and its options; what :func:`validate` returns."""
+
+    cfg: TrainConfig
+    dims: ParallelDims
+    options: ParallelOptions
+
+    @property
+    def layout(self) -> str:
+        """One line naming the strategy and the degrees, e.g. ``tensor_parallel: dp_replicate=1 ... (world 4)``."""
+        return f"{self.cfg.parallelism.strategy}: {self.dims.describe()}"
+
+
+def validate(cfg: TrainConfig) -> ValidRun:
+    """Check ``cfg`` and return its resolved copy with its layout and options; ``cfg`` itself is not changed.
+
+    Resolved: ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
+    an external restart into ``output_dir`` and ``ckpt_path``, and how each rank's batch is split
+    (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.microbatches``).
+
+    Raises:
+        ValueError: One line naming the value and the fix.
+    """
+    cfg = copy.deepcopy(cfg)
+    par, cluster, trainer = cfg.parallelism, cfg.cluster, cfg.trainer
+    _check_run_fields(cfg)
+    cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
+    cfg.resume = None
+    if par.strategy not in _CANNOT_DO:
+        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
+    cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
+    if cluster.launcher not in ("local", "slurm"):
+        raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
+    if environment.should_submit(cluster):
+        environment.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
+    else:
+        environment.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    _check_strategy_can_do(par)
+    dims = build_parallel_dims(cfg)
+    per_rank_batch = check_model_and_data(cfg, dims)
+    split = split_batch(cfg, dims, per_rank_batch)
+    if per_rank_batch is not None:  # the built-in data: it reads data.micro_batch_size
+        cfg.data.micro_batch_size = split.micro_batch_size
+    trainer.accumulate_grad_batches, par.microbatches = split.accumulate_grad_batches, split.microbatches
+    options = options_of(cfg)
+    _check_layout(cfg, dims, options, per_rank_batch)
+    if trainer.enable_progress_bar is None:
+        # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
+        trainer.enable_progress_bar = sys.stdout.isatty()
+    return ValidRun(cfg=cfg, dims=dims, options=options)
+
+
+def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
+    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
+    par = cfg.parallelism
+    return ParallelDims(
+        world_size=cfg.cluster.devices * cfg.cluster.num_nodes,
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.dp_shard,
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.cp,
+    )
+
+
+def options_of(cfg: TrainConfig) -> ParallelOptions:
+    """The run's :class:`ParallelOptions`, from ``parallelism.*`` and the trainer / checkpoint / cluster fields."""
+    par = cfg.parallelism
+    try:
+        return ParallelOptions(
+            sequence_parallel=par.sequence_parallel,
+            loss_parallel=par.loss_parallel,
+            schedule=par.schedule,
+            microbatches=par.microbatches,
+            stages_per_rank=par.stages_per_rank,
+            split_points=tuple(par.split_points) if par.split_points else None,
+            activation_checkpointing=par.activation_checkpointing,
+            ac_selective=par.ac_selective,
+            compile=par.compile,
+            cpu_offload=par.cpu_offload,
+            on_nonfinite=cfg.trainer.on_nonfinite,
+            async_save=cfg.checkpoint.async_save,
+            process_group_backend=cfg.cluster.process_group_backend,
+        )
+    except ValueError as err:  # the same message, named as the config field
+        group = "trainer." if str(err).startswith("on_nonfinite") else "parallelism."
+        raise ValueError(f"{group}{err}") from None
+
+
+# ------------------------------------------------------------------------------------------------ the run itself
+def _check_run_fields(cfg: TrainConfig) -> None:
+    """The run's length, logging and checkpoint settings."""
+    trainer, every = cfg.trainer, cfg.checkpoint
+    if trainer.on_nonfinite not in NONFINITE_ACTIONS:
+        raise ValueError(
+            f"trainer.on_nonfinite={trainer.on_nonfinite!r} is unknown; use stop (end the run) or skip (drop such "
+            "steps)."
+        )
+    for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
+        if getattr(trainer, name) < 1:
+            raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")
+    if every.every_n_steps is not None and every.every_n_steps < 1:
+        raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
+    if every.every_n_minutes is not None and every.every_n_minutes <= 0:
+        raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
+    if trainer.hang_timeout_s is not None and trainer.hang_timeout_s <= 0:
+        raise ValueError(f"trainer.hang_timeout_s={trainer.hang_timeout_s} must be > 0, or null (automatic).")
+    if trainer.max_restarts < 0:
+        raise ValueError(f"trainer.max_restarts={trainer.max_restarts} must be >= 0.")
+    if every.async_save and cfg.parallelism.strategy == "ddp":
+        raise ValueError(
+            "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
+            "use parallelism=fsdp, or checkpoint.async_save=false."
+        )
+    if every.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
+    timing = trainer.comm_timing_every_n_steps
+    if timing is not None and timing < 1:
+        raise ValueError(
+            f"trainer.comm_timing_every_n_steps={timing} must be >= 1, or null (every step on CUDA, "
+            "once per logging window on CPU)."
+        )
+
+
+# ------------------------------------------------------------------------------------------------ the layout
+def _check_strategy_can_do(par: ParallelismConfig) -> None:
+    """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
+    cannot = _CANNOT_DO[par.strategy]
+    bad = [axis for axis in cannot if getattr(par, axis) > 1]
+    if bad:
+        values = " ".join(f"parallelism.{axis}={getattr(par, axis)}" for axis in bad)
+        raise ValueError(
+            f"{values} is not possible with parallelism.strategy={par.strategy} (it does {_DOES[par.strategy]}); "
+            f"{cannot[bad[0]]}."
+        )
+
+
+def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions, per_rank_batch: int | None) -> None:
+    """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches.
+
+    A user's own module is checked by the strategy when it is set up (its hooks name what is wrong).
+    """
+    par = cfg.parallelism
+    per_block = {
+        "activation_checkpointing": par.activation_checkpointing != "none",
+        "compile": par.compile,
+        "cpu_offload": par.cpu_offload,
+    }
+    for name in [name for name, used in per_block.items() if used and par.strategy == "ddp"]:
+        value = getattr(par, name)
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ValueError(
+            f"parallelism.{name}={shown} with parallelism=ddp (Lightning's DDP, which this does not reach): use "
+            "parallelism=fsdp or another of our layouts."
+        )
+    options.check(dims, prefix="parallelism.", per_rank_batch=per_rank_batch if dims.pp_enabled else None)
+    gpt = isinstance(cfg.model, GPTConfig)
+    if gpt:
+        check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
+    if not dims.pp_enabled:
+        return
+    num_stages = dims.pp * par.stages_per_rank
+    blocks = num_blocks(cfg.model)
+    if blocks is not None and num_stages > blocks:
+        raise ValueError(
+            f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
+            f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
+        )
+    if gpt and cfg.model.tie_embeddings and dims.tp_enabled:
+        raise ValueError(
+            f"model.tie_embeddings=true with parallelism.pp={dims.pp} and parallelism.tp={dims.tp}: a weight tied "
+            "across pipeline stages is not supported with tensor parallelism yet; untie it or use pp or tp alone."
+        )
+
+
+# --------------------------------------------------------------------------------------------- model and data
+def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
+    """Check the model and data against each other and the layout; return the per-rank batch when it is known."""
+    model, data = cfg.model, cfg.data
+    for group, node in (("model", model), ("data", data)):
+        if isinstance(node, TargetConfig):
+            _check_importable(group, node.target)
+    if isinstance(model, GPTConfig):
+        model.validate()
+    vocab, max_len = vocab_and_length(model)
+    if not isinstance(data, DataConfig):
+        return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
+    per_rank_batch = TokenDataModule.per_rank_batch_size(data.global_batch_size, dims.dp_size)
+    if vocab is not None and data.vocab_size > vocab:
+        raise ValueError(
+            f"data.vocab_size={data.vocab_size} exceeds the model's vocabulary of {vocab}; "
+            f"set model.vocab_size>={data.vocab_size} (or use a model with a larger vocabulary)."
+        )
+    if max_len is not None and data.seq_len > max_len:
+        raise ValueError(
+            f"data.seq_len={data.seq_len} exceeds model.max_seq_len={max_len}; "
+            f"lower data.seq_len or raise model.max_seq_len."
+        )
+    validate_data_config(data)
+    datamodule = TokenDataModule(data, seed=cfg.seed)
+    datamodule.setup()  # missing / empty / binary-as-text files fail here, before any rank starts
+    if data.kind == "tokens":
+        for split in ("train", "val"):
+            dataset = datamodule.dataset(split)
+            largest = dataset.max_token()
+            if largest >= data.vocab_size:
+                raise ValueError(
+                    f"{str(dataset.file)!r} holds token id {largest}, beyond data.vocab_size={data.vocab_size}; set "
+                    f"data.vocab_size (and model.vocab_size) above {largest}, or check data.token_dtype."
+                )
+    return per_rank_batch
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How each rank's batch is split: micro batch size, Lightning's accumulation, and the pipeline's microbatches."""
+
+    micro_batch_size: int | None
+    accumulate_grad_batches: int
+    microbatches: int | None
+
+
+def split_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> BatchSplit:
+    """How each rank's batch is split, from ``data.micro_batch_size`` or ``trainer.accumulate_grad_batches``.
+
+    Without pp, the per-rank batch runs as ``per_rank / micro_batch_size`` forwards whose gradients Lightning
+    accumulates (synced on the last one). Under pp the micro batches are the pipeline's microbatches, all run by the
+    schedule in one training step (as Megatron does): accumulation is what a pipeline does already. Resolving a
+    resolved config gives the same split.
+    """
+    par, accumulate = cfg.parallelism, cfg.trainer.accumulate_grad_batches
+    if accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be >= 1.")
+    unchanged = BatchSplit(getattr(cfg.data, "micro_batch_size", None), accumulate, par.microbatches)
+    if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch
+        if dims.pp_enabled and accumulate > 1:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches={accumulate} with parallelism.pp={dims.pp}: a pipeline accumulates "
+                f"over its microbatches; make your loader's batch {accumulate}x larger and set "
+                f"parallelism.microbatches to the number of micro batches it holds."
+            )
+        return unchanged
+    data, micro = cfg.data, cfg.data.micro_batch_size
+    where = f"the per-rank batch {per_rank_batch} (data.global_batch_size={data.global_batch_size} / dp={dims.dp_size})"
+    if micro is None:
+        if per_rank_batch % accumulate:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches={accumulate} does not divide {where}; use a divisor of it."
+            )
+        if accumulate == 1:
+            return unchanged  # one forward per rank and step
+        micro = per_rank_batch // accumulate
+    if per_rank_batch % micro:
+        raise ValueError(f"data.micro_batch_size={micro} does not divide {where}; use a divisor of it.")
+    steps = per_rank_batch // micro
+    if accumulate not in (1, steps):
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={accumulate} contradicts data.micro_batch_size={micro} ({where} is "
+            f"{steps} micro batches); set only data.micro_batch_size."
+        )
+    if not dims.pp_enabled:
+        return BatchSplit(micro, steps, par.microbatches)
+    if par.microbatches is not None and par.microbatches != steps:
+        raise ValueError(
+            f"parallelism.microbatches={par.microbatches} contradicts data.micro_batch_size={micro} ({where} is "
+            f"{steps} micro batches); set only one of them."
+        )
+    return BatchSplit(micro, 1, steps)
+
+
+def _check_importable(group: str, target: str) -> None:
+    try:
+        get_class(target)
+    except Exception as err:  # Hydra wraps the import error; its first line names the cause
+        raise ValueError(
+            f"{group}._target_={target!r} cannot be imported ({str(err).splitlines()[0]}); give the full import path "
+            "of your class (package.module.Class) and make sure its package is installed or on PYTHONPATH."
+        ) from None

@@ -1,0 +1,2 @@
+"""A run from the command line to its report: the Hydra entry point (:mod:`.train`), the ranks it launches
+(:mod:`.launch`), what each rank runs (:mod:`.fit`), and where they run (:mod:`.cluster`, :mod:`.slurm`)."""

@@ -1,0 +1,107 @@
+"""What each rank runs: Lightning's ``Trainer.fit`` with the run's strategy, data, logger and callbacks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
+from lightning_dist.callbacks.heartbeat import Heartbeat
+from lightning_dist.callbacks.preemption import Preemption
+from lightning_dist.config.build import build_datamodule, build_module
+from lightning_dist.config.schema import TrainConfig
+from lightning_dist.config.validate import ValidRun, validate
+from lightning_dist.data import TokenDataModule
+from lightning_dist.run.cluster import SharedFolderCheck, lightning_environment
+from lightning_dist.run.loggers import build_logger, finish_wandb
+from lightning_dist.strategies import build_strategy
+from lightning_dist.telemetry import LossHistory, Telemetry
+from lightning_dist.telemetry.history import merge_telemetry
+
+
+def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
+    """Train on this rank with Lightning's ``Trainer.fit``; returns a summary (rank 0's is printed).
+
+    Args:
+        run: The checked run :func:`~lightning_dist.config.validate.validate` returned (the app's launcher hands
+            every rank the same one), or a config to check here (a rank started some other way, e.g. by a test).
+        callbacks: Extra Lightning callbacks.
+    """
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
+    # Our data module resumes mid-epoch by optimizer step (StepSampler); Lightning cannot tell and warns.
+    warnings.filterwarnings("ignore", ".*your dataloader is not resumable.*")
+    valid = run if isinstance(run, ValidRun) else validate(run)
+    cfg, dims = valid.cfg, valid.dims
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    out_dir = Path(cfg.output_dir)
+    datamodule = build_datamodule(cfg)
+    module = build_module(cfg)
+    continuing = cfg.ckpt_path is not None and Path(cfg.ckpt_path).parent == out_dir / "checkpoints"
+    logger = build_logger(cfg.logger, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
+    history = LossHistory()
+    every = cfg.checkpoint
+    checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
+    preemption = Preemption()
+    all_callbacks = [history, preemption, Heartbeat(cfg.trainer.hang_timeout_s), *callbacks]
+    if cfg.trainer.telemetry:
+        telemetry = Telemetry(
+            peak_tflops=cfg.cluster.peak_tflops,
+            track_comm=cfg.trainer.track_comm,
+            comm_timing_every_n_steps=cfg.trainer.comm_timing_every_n_steps,
+        )
+        all_callbacks.append(telemetry)
+    if cfg.trainer.enable_checkpointing:
+        all_callbacks.append(checkpoint)
+    if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
+        all_callbacks.append(InitWeights(Path(cfg.init_from)))
+    if cfg.cluster.num_nodes > 1:
+        all_callbacks.append(SharedFolderCheck(out_dir))
+    trainer = pl.Trainer(
+        plugins=lightning_environment(),
+        accelerator=cfg.cluster.accelerator,
+        devices=cfg.cluster.devices,
+        num_nodes=cfg.cluster.num_nodes,
+        strategy=build_strategy(cfg.parallelism.strategy, dims, valid.options),
+        precision=cfg.cluster.precision,
+        max_steps=cfg.trainer.max_steps,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+        val_check_interval=cfg.trainer.val_check_interval,
+        check_val_every_n_epoch=None,  # val_check_interval counts steps across epochs
+        limit_val_batches=cfg.trainer.limit_val_batches,
+        num_sanity_val_steps=cfg.trainer.num_sanity_val_steps,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        enable_checkpointing=False,  # ours: RunCheckpoints (Lightning would add its ModelCheckpoint)
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+        logger=logger,
+        callbacks=all_callbacks,
+        # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
+        use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
+        default_root_dir=out_dir,
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if cfg.trainer.telemetry:
+        merge_telemetry(history.records, telemetry.history)
+    metrics = trainer.callback_metrics
+    result = {
+        "output_dir": str(out_dir),
+        "layout": valid.layout,
+        "steps": trainer.global_step,
+        "train_loss": float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
+        "val_loss": float(metrics["val/loss"]) if "val/loss" in metrics else None,
+        "loss_floor": getattr(datamodule, "loss_floor", None),
+        "history": history.records,
+        "checkpoint": str(checkpoint.last_path) if checkpoint.last_path else None,
+        "checkpoint_blocked_s": checkpoint.blocked_s,
+        "checkpoint_written_s": checkpoint.written_s,
+        "preempted": preemption.signal_name,
+        "wandb_dir": finish_wandb(logger),
+        "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
+    }
+    return result
