@@ -57,21 +57,20 @@ def load_sharded(
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
 
-def save_async(strategy: Any, checkpoint: dict[str, Any], path: Path) -> Any:
+def save_async(checkpoint: dict[str, Any], path: Path, group: Any, global_rank: int) -> Any:
     """Start writing Lightning's ``checkpoint`` to the folder ``path`` in the background; return the write's future.
 
     Lightning's sharded layout (the ``state_dict`` / ``optimizer_<i>`` entries through DCP, the rest in one file from
     rank 0). DCP copies the state to host memory before this returns, so training may change the weights at once.
-    The background thread's collectives run on a gloo group of their own, never beside the training's on one group.
-    The folder is complete when rank 0's future is done (DCP writes ``.metadata`` after every rank's data).
+    The background thread's collectives run on ``group``, a gloo group of their own, never beside the training's
+    on one group. The folder is complete when rank 0's future is done (DCP writes ``.metadata`` after every rank's
+    data).
     """
-    if getattr(strategy, "_checkpoint_group", None) is None:
-        strategy._checkpoint_group = torch.distributed.new_group(backend="gloo")
     path.mkdir(parents=True, exist_ok=True)
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    future = dcp.async_save(state, checkpoint_id=path, process_group=strategy._checkpoint_group)
-    if strategy.global_rank == 0:
+    future = dcp.async_save(state, checkpoint_id=path, process_group=group)
+    if global_rank == 0:
         torch.save(checkpoint, path / _compat.checkpoint_metadata_file())
     return future
 

@@ -253,7 +253,10 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self.options.async_save:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        self.pending_save = checkpoint_io.save_async(self, checkpoint, Path(self.broadcast(filepath)))
+        if self._checkpoint_group is None:  # the background writes' collectives: a gloo group of their own
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        path = Path(self.broadcast(filepath))
+        self.pending_save = checkpoint_io.save_async(checkpoint, path, self._checkpoint_group, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
