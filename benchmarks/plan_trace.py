@@ -26,14 +26,15 @@ def main() -> None:
 
     from lightning_dist.plan.cli import apply_layout
     from lightning_dist.plan.collectives import per_axis, step_collectives
-    from lightning_dist.plan.cost import Layout, estimate
+    from lightning_dist.plan.cost import estimate
+    from lightning_dist.plan.layout import Layout
     from lightning_dist.plan.trace import trace_rank
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", action="store_true", help="also trace the step's peak memory (MemTracker)")
     args = parser.parse_args()
     cfg = compose_config(OVERRIDES)
-    layout = Layout(1, 32, 8, 1, micro_batch=1, microbatches=8, ac="full")
+    layout = Layout.of(1, 8, dp_shard=32, tp=8, activation_checkpointing="full")
     start = time.perf_counter()
     traced = trace_rank(apply_layout(cfg, layout), 0, step=True, memory=args.memory)
     seconds = time.perf_counter() - start

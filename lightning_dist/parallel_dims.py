@@ -19,13 +19,26 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_dist._compat import flatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+# The registry of axis names: every list of axes in the package is derived from these.
 #: Mesh axis names, outermost first.
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+#: The data-parallel mesh axes (their ranks read different batches), flattened on the mesh into the axis ``DP``.
+DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
+DP = "dp"
+#: Mesh axis (``DP`` included) -> the axis its communication is reported under: the data-parallel axes as ``DP``.
+REPORTED_AXIS: dict[str, str] = {axis: DP if axis in DP_AXES else axis for axis in (*AXES, DP)}
+#: The axes communication is reported under (telemetry's ``comm/<axis>/``, the planner): ``DP``, then the others
+#: innermost first, i.e. ``("dp", "tp", "pp")``.
+REPORTED_AXES: tuple[str, ...] = (DP, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
 #: Degrees that may be ``-1`` ("what the other degrees leave of the world size"); at most one at a time.
-_FILLABLE: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
+_FILLABLE: tuple[str, ...] = (*DP_AXES, "tp")
 
 
 @dataclass
@@ -150,15 +163,11 @@ class ParallelDims:
         exist; they cost nothing.
         """
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from lightning_dist._compat import flatten_mesh
-
             mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
-            flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+            flatten_mesh(mesh, DP_AXES, DP)
             # The names Lightning's ModelParallelStrategy gives its 2-D mesh, so a configure_model written for it
             # (Lightning's own examples) runs unchanged: device_mesh["data_parallel"], device_mesh["tensor_parallel"].
-            flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "data_parallel")
+            flatten_mesh(mesh, DP_AXES, "data_parallel")
             flatten_mesh(mesh, ("tp",), "tensor_parallel")
             self._mesh = mesh
         return self._mesh
@@ -178,5 +187,5 @@ class ParallelDims:
     def fsdp_mesh_axes(self) -> tuple[str, ...]:
         """Axes FSDP2 shards over: ``dp_shard``, with ``dp_replicate`` in front for HSDP / pure replication."""
         if self.dp_replicate > 1:
-            return ("dp_replicate", "dp_shard")
+            return DP_AXES
         return ("dp_shard",)

@@ -13,18 +13,24 @@ The world is ``cluster.num_nodes`` x the devices of a node (``cluster.devices`` 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, Layout
+from lightning_dist.plan.collectives import per_axis, step_collectives
+from lightning_dist.plan.cost import ASSUMPTIONS, Estimate
+from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
 from lightning_dist.plan.search import rank
+from lightning_dist.plan.trace import RankTrace, trace_rank
 
 register_configs()
 
@@ -78,9 +84,6 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
 
 
 def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     hw = cfg.hardware
     fitting = [e for e in found if e.fits]
     shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
@@ -124,11 +127,8 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
 
 
 def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
-    from lightning_dist.plan.collectives import per_axis, step_collectives
-    from lightning_dist.run.launch import launch
-
     lay = best.layout
-    traced = launch(_trace, 1, apply_layout(cfg, lay), lay.pp == 1, cfg.plan.trace_memory)[0]
+    traced = _trace(apply_layout(cfg, lay), step=lay.pp == 1, memory=cfg.plan.trace_memory)
     memory = best.memory
     analytic = memory.params // 4
     print(f"traced rank 0 of the best layout on the fake backend ({lay.describe()}):")
@@ -150,10 +150,11 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
               f"analytic {want.get('bytes', 0):,} bytes in {want.get('calls', 0)} calls")  # fmt: skip
 
 
-def _trace(cfg: TrainConfig, step: bool, memory: bool) -> Any:
-    from lightning_dist.plan.trace import trace_rank
-
-    return trace_rank(cfg, 0, step=step, memory=memory)
+def _trace(cfg: TrainConfig, step: bool, memory: bool) -> RankTrace:
+    """Rank 0 of ``cfg``'s layout traced in a fresh process: tracing makes this process a rank of the fake process
+    group, and a plan's own process stays free of it (spawned: nothing of this process's state is inherited)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trace_rank, cfg, 0, step=step, memory=memory).result()
 
 
 if __name__ == "__main__":

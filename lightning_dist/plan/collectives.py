@@ -29,14 +29,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.pipeline import stage_ids
+from lightning_dist.parallel_dims import DP, REPORTED_AXIS
+from lightning_dist.plan.layout import Layout, stage_blocks
 
-if TYPE_CHECKING:  # cost.py imports this module
-    from lightning_dist.plan.cost import Layout
-
-REPORTED = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp", "pp": "pp", "world": "world", "other": "other"}
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20  # torch DDP's bucket_cap_mb and first bucket
 
 
@@ -131,9 +129,6 @@ def stage_units(
     cfg: GPTConfig, pp: int, stages_per_rank: int, schedule: str, stage: int
 ) -> list[tuple[int, bool, bool]]:
     """``(blocks, first, last)`` of each virtual stage pipeline rank ``stage`` holds, split as the strategy splits."""
-    from lightning_dist.parallel.pipeline import stage_ids
-    from lightning_dist.plan.cost import stage_blocks
-
     total = pp * stages_per_rank
     blocks = stage_blocks(cfg, total)
     ids = stage_ids(stage, pp, stages_per_rank, schedule) if pp > 1 else [0]
@@ -142,8 +137,6 @@ def stage_units(
 
 def _remote_neighbours(pp: int, stages_per_rank: int, schedule: str, stage: int) -> int:
     """Stage boundaries rank ``stage`` talks across (a V schedule's two middle stages share a rank)."""
-    from lightning_dist.parallel.pipeline import stage_ids
-
     total = pp * stages_per_rank
     mine = set(stage_ids(stage, pp, stages_per_rank, schedule))
     return sum(1 for i in mine for j in (i - 1, i + 1) if 0 <= j < total and j not in mine)
@@ -162,7 +155,7 @@ def step_collectives(
 
     Args:
         cfg: The GPT.
-        layout: A :class:`lightning_dist.plan.cost.Layout`.
+        layout: A :class:`lightning_dist.plan.layout.Layout`.
         seq_len: Tokens per sample.
         precision: Lightning's precision string (dtypes of gathers, reductions and activations).
         stage: The rank's pp coordinate; ``None``: the first stage for pp <= 2, else the second (sends both ways).
@@ -182,10 +175,12 @@ def step_collectives(
         if calls > 0:
             out.append(Collective(axis, op, int(size), calls, what))
 
-    # The default group is reported as the one axis it spans, if it spans one.
-    degrees = {"dp_shard" if ds > 1 else "dp_replicate": dr * ds, "tp": tp, "pp": pp}
-    spanned = [axis for axis, size in degrees.items() if size > 1]
-    world = spanned[0] if len(spanned) == 1 else "world"
+    # The default group is reported as the one axis it spans, if it spans one (the data-parallel axes count as one,
+    # named dp_shard when it shards).
+    spanned = {REPORTED_AXIS[axis] for axis, size in lay.dims.degrees.items() if size > 1}
+    world = spanned.pop() if len(spanned) == 1 else "world"
+    if world == DP:
+        world = "dp_shard" if ds > 1 else "dp_replicate"
     if lay.world > 1 and loop:
         add(world, "broadcast", 8, batches, "Lightning: SIGTERM check, per batch")
         add(world, "all_reduce", 4, 2, "train/loss sync_dist and the preemption flag, per step")
@@ -290,6 +285,7 @@ def per_axis(collectives: list[Collective]) -> dict[str, dict[str, int]]:
     """``{axis: {"bytes": ..., "calls": ...}}`` with the telemetry's axis names (``dp`` for both data axes)."""
     totals: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "calls": 0})
     for c in collectives:
-        totals[REPORTED[c.axis]]["bytes"] += c.bytes
-        totals[REPORTED[c.axis]]["calls"] += c.calls
+        axis = REPORTED_AXIS.get(c.axis, c.axis)  # "world" and "other" are reported as they are
+        totals[axis]["bytes"] += c.bytes
+        totals[axis]["calls"] += c.calls
     return dict(totals)

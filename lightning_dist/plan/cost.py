@@ -9,15 +9,17 @@ message of a send); time divides the bus bytes (size x nccl-tests' bus factor) b
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.pipeline import stage_ids
+from lightning_dist.parallel_dims import AXES
 from lightning_dist.plan.collectives import Dtypes, step_collectives
-from lightning_dist.plan.memory import GIB, MemoryEstimate, _block_params, estimate_memory
+from lightning_dist.plan.layout import Layout, layer_params, stage_split
+from lightning_dist.plan.memory import GIB, MemoryEstimate, block_params, estimate_memory
 from lightning_dist.telemetry.comm import BUS_FACTORS
 
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -45,35 +47,6 @@ ASSUMPTIONS = [
 ]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the job: the degrees, the pipeline schedule, the micro batch and activation checkpointing."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    micro_batch: int
-    microbatches: int  # pipeline microbatches per step (pp > 1), else accumulated micro batches per step
-    schedule: str = "1F1B"
-    stages_per_rank: int = 1
-    ac: str = "none"
-    ac_selective: str = "op"  # for ac="selective": "op" (keep matmul outputs) or "op_half" (every other)
-    tp_overlap: bool = False  # TP collectives overlapped with the matmuls (Megatron's --tp-comm-overlap, async TP)
-    ddp: bool = False  # Lightning's DDPStrategy (parallelism=ddp) rather than the mesh strategy's replicas
-    sequence_parallel: bool = True  # TP shards norms and the residual stream along the sequence
-    loss_parallel: bool = True  # TP keeps the logits vocabulary-sharded into the loss
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    def describe(self) -> str:
-        degrees = f"pp{self.pp} tp{self.tp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
-        pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
-        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}"
-
-
 @dataclass
 class Estimate:
     """The cost of one :class:`Layout` for the worst rank."""
@@ -91,7 +64,7 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         """The plan's JSON object for this layout."""
         return {
-            "layout": asdict(self.layout),
+            "layout": self.layout.to_json(),
             "memory_gib": round(self.memory.total / GIB, 2),
             "memory_parts_gib": self.memory.gib(),
             "comm_bytes": {axis: int(c["bytes"]) for axis, c in self.comm.items()},
@@ -111,45 +84,14 @@ def stage_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1, schedule: st
 
 
 def rank_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1, schedule: str = "1F1B") -> list[int]:
-    """Parameters of each pipeline rank, split as the strategy splits: blocks balanced by parameter count with the
-    embedding on the first and the final norm and head on the last
-    (:func:`lightning_dist.parallel.pipeline.balanced_split`), rank r holding stages r, r + pp, ... (a V for
-    ZBV / DualPipeV)."""
-    from lightning_dist.parallel.pipeline import stage_ids
-
-    costs = _layer_costs(cfg, pp)
+    """Parameters of each pipeline rank, split as the strategy splits (:func:`lightning_dist.plan.layout.stage_split`),
+    rank r holding stages r, r + pp, ... (a V for ZBV / DualPipeV)."""
+    costs = layer_params(cfg, pp)
     if pp == 1:
         return [int(sum(costs))]
-    groups = _split(cfg, pp * stages_per_rank)
+    groups = stage_split(cfg, pp * stages_per_rank)
     return [int(sum(costs[i] for s in stage_ids(r, pp, stages_per_rank, schedule) for i in groups[s]))
             for r in range(pp)]  # fmt: skip
-
-
-def stage_blocks(cfg: GPTConfig, num_stages: int) -> list[int]:
-    """Blocks of each of ``num_stages`` pipeline stages, as the strategy splits them."""
-    return [len(group) for group in _split(cfg, num_stages)] if num_stages > 1 else [cfg.n_layers]
-
-
-def _layer_costs(cfg: GPTConfig, pp: int) -> list[float]:
-    """Parameters per block, the embedding counted on the first and the final norm and head on the last."""
-    embedding = cfg.vocab_size * cfg.d_model
-    head = 0 if cfg.tie_embeddings and pp == 1 else cfg.vocab_size * cfg.d_model
-    costs = [float(_block_params(cfg))] * cfg.n_layers
-    costs[0] += embedding
-    costs[-1] += head + cfg.d_model
-    return costs
-
-
-def _split(cfg: GPTConfig, num_stages: int) -> list[list[int]]:
-    return _balanced_split(tuple(_layer_costs(cfg, 2)), num_stages)
-
-
-@functools.lru_cache(maxsize=256)
-def _balanced_split(costs: tuple[float, ...], num_stages: int) -> list[list[int]]:
-    """The strategy's split, cached: a search asks for the same model's split thousands of times."""
-    from lightning_dist.parallel.pipeline import balanced_split
-
-    return balanced_split(list(costs), num_stages)
 
 
 def estimate(
@@ -168,10 +110,8 @@ def estimate(
     lay = layout
     local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.dp_shard)
     memory = estimate_memory(
-        cfg, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch, tp=lay.tp, dp_shard=lay.dp_shard,
-        pp=lay.pp, microbatches=lay.microbatches if lay.pp > 1 else 1, schedule=lay.schedule,
-        activation_checkpointing=lay.ac, ac_selective=lay.ac_selective,
-    )  # fmt: skip
+        cfg, lay.dims, lay.options, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch
+    )
     flops_per_token = flops_per_token_of(cfg, seq_len)
     tokens = global_batch * seq_len
     compute_s = (
@@ -189,12 +129,15 @@ def estimate(
         memory = replace(memory, buffers=memory.buffers + int(gathered))
     collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
     comm: dict[str, dict[str, float]] = {}
+    links: dict[str, tuple[int, float]] = {}  # axis -> (group size, bus bandwidth), worked out once per axis
     for c in collectives:
         axis = comm.setdefault(c.axis, {"bytes": 0, "calls": 0, "seconds": 0.0})
-        group = _group_size(lay, c.axis)
+        if c.axis not in links:
+            links[c.axis] = (_group_size(lay, c.axis), _axis_link(hw, lay, c.axis))
+        group, link = links[c.axis]
         axis["bytes"] += c.bytes
         axis["calls"] += c.calls
-        axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / _axis_link(hw, lay, c.axis) / 1e9
+        axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / link / 1e9
     for name, axis in comm.items():
         seconds = axis["seconds"]
         if name == "dp_shard":  # prefetched: hidden under compute except the first unit's
@@ -243,18 +186,25 @@ def bubble_fraction(layout: Layout) -> float:
 
 
 def _group_size(layout: Layout, axis: str) -> int:
-    sizes = {"dp_shard": layout.dp_shard, "dp_replicate": layout.dp_replicate, "tp": layout.tp, "pp": layout.pp}
-    return sizes.get(axis, layout.world if axis == "world" else 2)
+    """Ranks in a group of ``axis``: its degree, the world for the default group, 2 for any other (a tied pair)."""
+    return layout.dims.degrees.get(axis, layout.world if axis == "world" else 2)
 
 
 def _axis_link(hw: HardwareConfig, layout: Layout, axis: str) -> float:
-    """Bus bandwidth of an axis: mesh order (pp, dp_replicate, dp_shard, tp), tp innermost."""
+    """Bus bandwidth of an axis: the mesh is row-major over ``AXES`` (pp outermost, tp innermost)."""
     if axis == "pp":
         apart = layout.world // layout.pp  # ranks between neighbouring stages
         return hw.inter_node_gbps if apart >= hw.gpus_per_node else hw.intra_node_gbps
-    inner = layout.tp * (layout.dp_shard if axis in ("dp_shard", "dp_replicate") else 1)
-    span = {"tp": layout.tp, "dp_shard": inner, "dp_replicate": inner * layout.dp_replicate}.get(axis, layout.world)
-    return _link(hw, span)
+    return _link(hw, _span(layout, axis))
+
+
+def _span(layout: Layout, axis: str) -> int:
+    """Consecutive ranks a group of ``axis`` spreads over: its degree times those of the axes inside it; the whole
+    world for a group that is no mesh axis."""
+    if axis not in AXES:
+        return layout.world
+    degrees = layout.dims.degrees
+    return math.prod(degrees[inner] for inner in AXES[AXES.index(axis) :])
 
 
 def _link(hw: HardwareConfig, span: int) -> float:
@@ -264,7 +214,7 @@ def _link(hw: HardwareConfig, span: int) -> float:
 
 def flops_per_token_of(cfg: GPTConfig, seq_len: int) -> float:
     """``GPT.flops_per_token`` from the config alone: 6 x non-embedding parameters + 12 L H Q T."""
-    non_embedding = cfg.n_layers * _block_params(cfg) + cfg.d_model + cfg.vocab_size * cfg.d_model  # + norm, head
+    non_embedding = cfg.n_layers * block_params(cfg) + cfg.d_model + cfg.vocab_size * cfg.d_model  # + norm, head
     if cfg.arch == "gpt2":
         non_embedding += cfg.d_model  # the final LayerNorm's bias
     return 6 * non_embedding + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

@@ -6,30 +6,34 @@ import statistics
 from typing import Any
 
 from lightning_dist.config.schema import TrainConfig
+from lightning_dist.config.validate import options_of
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel_dims import REPORTED_AXES, ParallelDims
 from lightning_dist.plan.collectives import per_axis, step_collectives
-from lightning_dist.plan.cost import Layout, estimate
+from lightning_dist.plan.cost import estimate
+from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
 
 
-def layout_of(cfg: TrainConfig, dims: Any) -> Layout:
-    """The planner's :class:`Layout` for ``cfg``'s run under ``dims``."""
-    par = cfg.parallelism
+def layout_of(cfg: TrainConfig, dims: ParallelDims) -> Layout:
+    """The planner's :class:`Layout` for ``cfg``'s run under ``dims``: the run's own degrees and options, its batch
+    split into micro batches as the strategy splits it."""
+    options = options_of(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size
     if cfg.data.micro_batch_size:
         micro = cfg.data.micro_batch_size
-    elif dims.pp > 1:  # the strategy's default: one microbatch per stage
-        micro = per_rank // (par.microbatches or dims.pp * par.stages_per_rank)
+    elif dims.pp_enabled:  # the strategy's default: one microbatch per stage
+        micro = per_rank // options.num_microbatches(dims.pp)
     else:
         micro = per_rank // cfg.trainer.accumulate_grad_batches
-    schedule = par.schedule if dims.pp > 1 else "1F1B"
-    degrees = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
-    return Layout(*degrees, micro, per_rank // micro, schedule, par.stages_per_rank, par.activation_checkpointing,
-                  ac_selective=par.ac_selective, ddp=par.strategy == "ddp",
-                  sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel)  # fmt: skip
+    steps, ddp = per_rank // micro, cfg.parallelism.strategy == "ddp"
+    if dims.pp_enabled:  # the pipeline's microbatches
+        return Layout(dims, ParallelOptions.build(options, microbatches=steps), micro, ddp=ddp)
+    return Layout(dims, options, micro, accumulate=steps, ddp=ddp)  # batches Lightning accumulates
 
 
-def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) -> dict[str, list[Any]] | None:
+def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[str, Any]) -> dict[str, list[Any]] | None:
     """``{quantity: [predicted, measured]}`` for the built-in GPT; None for other models (nothing to estimate)."""
     if not isinstance(cfg.model, GPTConfig) or not hasattr(cfg.data, "seq_len"):
         return None
@@ -54,7 +58,7 @@ def predicted_and_measured(cfg: TrainConfig, dims: Any, result: dict[str, Any]) 
 
     def measured_comm(kind: str) -> dict[str, int] | None:
         found = {}
-        for axis in ("dp", "tp", "pp", "world"):
+        for axis in (*REPORTED_AXES, "world"):
             values = [r[f"comm/{axis}/{kind}"] for r in steady if f"comm/{axis}/{kind}" in r]
             if values:
                 found[axis] = int(statistics.median(values))

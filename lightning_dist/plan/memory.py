@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel_dims import ParallelDims
 
 GIB = 2**30
 ACT_BYTES = 2  # bf16 activations (bf16-mixed)
@@ -102,33 +104,28 @@ def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str
 
 def estimate_memory(
     cfg: GPTConfig,
+    dims: ParallelDims,
+    options: ParallelOptions,
     *,
     local_params: int,
     seq_len: int,
     micro_batch: int,
-    tp: int = 1,
-    dp_shard: int = 1,
-    pp: int = 1,
-    microbatches: int = 1,
-    schedule: str = "1F1B",
-    activation_checkpointing: str = "none",
-    ac_selective: str = "op",
     margin: float = 0.10,
 ) -> MemoryEstimate:
     """Peak memory of the worst rank of a GPT layout (the first pipeline stage, holding the most microbatches).
 
     Args:
         cfg: The model.
+        dims: The layout's degrees (``tp``, ``dp_shard`` and ``pp`` matter here).
+        options: Its options: the pipeline schedule and microbatches, activation checkpointing.
         local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`).
         seq_len: Tokens per sample.
         micro_batch: Samples per forward: ``data.micro_batch_size`` (under pp, one pipeline microbatch).
-        tp, dp_shard, pp: The layout's degrees.
-        microbatches: Pipeline microbatches per step (pp only).
-        schedule: Pipeline schedule name.
-        activation_checkpointing: ``none``, ``full`` or ``selective``.
-        ac_selective: For ``selective``: ``op``, ``op_half`` or ``<n>``.
         margin: Allocator fragmentation margin on the total.
     """
+    tp, dp_shard, pp = dims.tp, dims.dp_shard, dims.pp
+    activation_checkpointing, ac_selective = options.activation_checkpointing, options.ac_selective
+    microbatches, schedule = options.num_microbatches(pp), options.schedule
     tokens = micro_batch * seq_len
     blocks = -(-cfg.n_layers // pp)
     in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
@@ -139,7 +136,7 @@ def estimate_memory(
     logits = int(tokens * cfg.vocab_size / tp * LOGIT_BYTES)
     buffers = 0
     if dp_shard > 1:
-        unit = max(_block_params(cfg), 2 * cfg.vocab_size * cfg.d_model) / tp  # a block, or the embedding + head
+        unit = max(block_params(cfg), 2 * cfg.vocab_size * cfg.d_model) / tp  # a block, or the embedding + head
         buffers = int(unit * (2 * 2 + 4))
     return MemoryEstimate(
         params=local_params * STATE_BYTES_PER_PARAM["params"],
@@ -158,11 +155,12 @@ def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1) -> int:
     parallelism replicates. Pipeline stages: trace them instead."""
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
     embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.d_model
-    sharded = cfg.n_layers * _block_params(cfg) - 2 * cfg.n_layers * cfg.d_model + embeddings
+    sharded = cfg.n_layers * block_params(cfg) - 2 * cfg.n_layers * cfg.d_model + embeddings
     return sharded // (tp * dp_shard) + norms // dp_shard
 
 
-def _block_params(cfg: GPTConfig) -> int:
+def block_params(cfg: GPTConfig) -> int:
+    """Parameters in one transformer block of ``cfg`` (attention, MLP, norms; biases for ``gpt2``)."""
     h, f = cfg.d_model, cfg.hidden_dim
     kv = 2 * cfg.kv_heads * cfg.head_dim
     mlp = (3 if cfg.arch == "llama" else 2) * h * f

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.plan.cost import GIB, Estimate, Layout, estimate, flops_per_token_of
+from lightning_dist.plan.cost import GIB, Estimate, estimate, flops_per_token_of
+from lightning_dist.plan.layout import Layout
 
 LLAMA3_8B = GPTConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                       max_seq_len=8192, rope_theta=500000.0)  # fmt: skip
@@ -56,7 +57,7 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
     per_rank = batch // 48
     # Megatron's distributed optimizer: one gradient reduce-scatter and one parameter all-gather per step over dp,
     # the bytes of a replicated all-reduce (modelled as replicas); no activation recomputation stated.
-    layout = Layout(48, 1, tp, pp, micro_batch=1, microbatches=per_rank, schedule="1F1B", ac="none", tp_overlap=True)
+    layout = Layout.of(1, per_rank, dp_replicate=48, tp=tp, pp=pp, tp_overlap=True)
     tokens = tflops * 1e12 / flops_per_token_of(model, 4096)
     return Published(f"Megatron-LM GPT {size}, {48 * tp * pp} H100, tp{tp} pp{pp} dp48", MEGATRON, model, layout,
                      4096, batch, tokens)  # fmt: skip
@@ -69,22 +70,25 @@ _405B_MISS = (
 
 
 def _llama405b(dp: int, per_dp: int, tflops: float, known_miss: str | None = None) -> Published:
-    layout = Layout(1, dp, 8, 16, micro_batch=1, microbatches=per_dp, schedule="Interleaved1F1B", stages_per_rank=2,
-                    ac="selective")  # fmt: skip
+    layout = Layout.of(1, per_dp, dp_shard=dp, tp=8, pp=16, schedule="Interleaved1F1B", stages_per_rank=2,
+                    activation_checkpointing="selective")  # fmt: skip
     tokens = tflops * 1e12 / flops_per_token_of(LLAMA3_405B, 8192)
     return Published(f"Llama 3 405B, {8 * 16 * dp} H100, tp8 pp16 dp{dp}", LLAMA3_PAPER, LLAMA3_405B, layout, 8192,
                      dp * per_dp, tokens, known_miss=known_miss)  # fmt: skip
 
 
+#: torchtitan's selective activation checkpointing: every second matmul of a block recomputed.
+_TT_AC = {"activation_checkpointing": "selective", "ac_selective": "op_half"}
+
 PUBLISHED: list[Published] = [
     Published("torchtitan Llama 3.1 8B, 8 H100, FSDP 8, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout(1, 8, 1, 1, 2, 1, ac="selective", ac_selective="op_half"), 8192, 16, 5762, 82.4,
+              Layout.of(2, 1, dp_shard=8, **_TT_AC), 8192, 16, 5762, 82.4,
               H100_GRAND_TETON, _TT_MISS),
     Published("torchtitan Llama 3.1 8B, 128 H100, FSDP 128, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout(1, 128, 1, 1, 2, 1, ac="selective", ac_selective="op_half"), 8192, 256, 5605, 67.0,
+              Layout.of(2, 1, dp_shard=128, **_TT_AC), 8192, 256, 5605, 67.0,
               H100_GRAND_TETON, _TT_MISS),
     Published("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, LBS 16, full AC, compile", TORCHTITAN_ASYNC_TP,
-              LLAMA3_70B, Layout(1, 32, 8, 1, micro_batch=16, microbatches=1, ac="full"), 8192, 512, 597.3, None,
+              LLAMA3_70B, Layout.of(16, 1, dp_shard=32, tp=8, activation_checkpointing="full"), 8192, 512, 597.3, None,
               H100_GRAND_TETON),
     _megatron("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
     _megatron("16B", 48, 6144, 32, 4, 1, 192, 489.1),

@@ -6,7 +6,11 @@ from collections.abc import Iterator
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.plan.cost import Estimate, Layout, estimate
+from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.pipeline import SCHEDULES, check_microbatches
+from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.plan.cost import Estimate, estimate
+from lightning_dist.plan.layout import Layout
 
 AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "op_half"), ("full", "op"))
 
@@ -34,13 +38,22 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
                 continue
             per_rank = global_batch // dp
             for replicate, shard in _data_parallel(dp, gpus_per_node // tp if pp * tp <= gpus_per_node else 1):
+                dims = ParallelDims(world, replicate, shard, tp, pp)
                 for micro in plan.micro_batches:
                     if per_rank % micro:
                         continue
-                    steps = per_rank // micro
+                    steps = per_rank // micro  # the pipeline's microbatches, else Lightning's accumulated batches
+                    microbatches, accumulate = (steps, 1) if pp > 1 else (None, steps)
                     for schedule, v in _schedules(cfg, pp, steps):
                         for ac, selective in AC_MODES:
-                            yield Layout(replicate, shard, tp, pp, micro, steps, schedule, v, ac, selective)
+                            options = ParallelOptions(
+                                schedule=schedule,
+                                microbatches=microbatches,
+                                stages_per_rank=v,
+                                activation_checkpointing=ac,
+                                ac_selective=selective,
+                            )
+                            yield Layout(dims, options, micro, accumulate)
 
 
 def rank(
@@ -69,8 +82,6 @@ def _data_parallel(dp: int, per_node: int) -> list[tuple[int, int]]:
 def _schedules(cfg: GPTConfig, pp: int, microbatches: int) -> list[tuple[str, int]]:
     """Every ``torch.distributed.pipelining`` schedule the strategy runs, with 1 or 2 stages per rank, where torch
     accepts the microbatches and the layers split evenly into the stages."""
-    from lightning_dist.parallel.pipeline import SCHEDULES, check_microbatches
-
     if pp == 1:
         return [("1F1B", 1)]
     options = []

@@ -8,7 +8,7 @@ only): every micro batch's forward and backward, the gradient norm and AdamW, wi
 Lightning's loop is not run, so its per-batch scalars (:func:`~lightning_dist.plan.collectives.step_collectives`
 with ``loop=False``) are not in the trace.
 
-Run it in a fresh process (it initializes ``torch.distributed``), e.g. with :func:`lightning_dist.launch.launch`.
+Run it in a fresh process (it initializes ``torch.distributed``): ``lightning-dist-plan plan.trace=true`` spawns one.
 """
 
 from __future__ import annotations
@@ -18,12 +18,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_dist import _compat
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import build_parallel_dims, options_of, split_batch
+from lightning_dist.parallel.clip import clip_grad_norm_
+from lightning_dist.parallel.tensor import reduce_partial_grads
+from lightning_dist.parallel_dims import REPORTED_AXIS
 from lightning_dist.strategies import build_strategy
+from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
+from lightning_dist.telemetry.throughput import model_state_bytes
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,6 @@ def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = F
     follow every tensor the step creates with torch's ``MemTracker`` and report the peak of what is alive (slower:
     minutes for an 8B model).
     """
-    import torch.distributed as dist
-    from lightning.pytorch.plugins.environments import LightningEnvironment
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from lightning_dist import _compat
-
     dims = build_parallel_dims(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size
     split = split_batch(cfg, dims, per_rank)
@@ -99,21 +103,12 @@ def _local(param: Any) -> torch.Tensor:
 
 def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank: int, memory: bool) -> dict[str, Any]:
     """One optimizer step of the parallelized ``module`` on fake tensors, its collectives counted."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import FSDPModule
-
-    from lightning_dist.parallel.clip import clip_grad_norm_
-    from lightning_dist.parallel.tensor import reduce_partial_grads
-    from lightning_dist.plan.collectives import REPORTED
-    from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
-    from lightning_dist.telemetry.throughput import model_state_bytes
-
     if strategy.pipeline is not None:  # the schedule's P2P warm-up vote reads a tensor (.item()): not fakeable
         raise ValueError("plan.trace steps whole-model layouts; a pipeline rank is traced for its parameters only.")
     micro = cfg.data.micro_batch_size or per_rank
     seq = cfg.data.seq_len
     tracker = CommTracker(axis_groups_from_mesh(mesh), timing=False)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with _compat.fake_tensor_mode(allow_non_fake_inputs=True):
         module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
@@ -139,7 +134,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         peak = mem.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0) if mem is not None else 0
     collectives: dict[str, dict[str, int]] = {}
     for (axis, _op), stats in tracker.snapshot().items():
-        totals = collectives.setdefault(REPORTED.get(axis, axis), {"bytes": 0, "calls": 0})
+        totals = collectives.setdefault(REPORTED_AXIS.get(axis, axis), {"bytes": 0, "calls": 0})
         totals["bytes"] += stats.bytes
         totals["calls"] += stats.count
     return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives,
@@ -148,13 +143,11 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
 
 def _memory_tracker(module: Any, optimizer: Any, batch: tuple[Any, ...]) -> Any:
     """torch's ``MemTracker`` following ``module``, with AdamW's state already created (a later step's peak)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     params = [p for p in module.parameters() if p.requires_grad]
     for param in params:
         param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    mem = MemTracker()
+    mem = _compat.mem_tracker()
     mem.track_external(module, optimizer, *batch)
     return mem

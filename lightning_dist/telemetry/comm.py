@@ -51,16 +51,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_dist._compat import resolve_process_group, wait_functional_collective
+from lightning_dist.parallel_dims import DP, DP_AXES, REPORTED_AXES, REPORTED_AXIS
 from lightning_dist.telemetry import torch_patches
-
-#: Mesh axis name -> the axis it is reported under (the data-parallel axes are reported together as ``dp``).
-REPORTED_AXIS: dict[str, str] = {"dp_replicate": "dp", "dp_shard": "dp", "dp": "dp", "tp": "tp", "pp": "pp"}
 
 #: Axes in the order they are reported; ``world`` is the default group when it is no single axis, ``other`` is any
 #: group the tracker was not told about.
-AXIS_ORDER: tuple[str, ...] = ("dp", "tp", "pp", "world", "other")
+AXIS_ORDER: tuple[str, ...] = (*REPORTED_AXES, "world", "other")
 
 #: nccl-tests' bus-bandwidth factor for an op on a group of ``n`` ranks (busbw = size / time x factor).
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
@@ -167,7 +166,7 @@ class CommTracker:
         self._axis_by_key: dict[Any, tuple[str, int]] = {}  # id(group) / group name -> (axis, group size)
         self._axis_by_ranks: dict[tuple[int, ...], str] = {}
         self._keep_alive: list[Any] = []  # groups whose id() is a cache key must not be collected and reused
-        self._world_axis = "dp" if axis_groups is None else None
+        self._world_axis = DP if axis_groups is None else None
         for axis, groups in (axis_groups or {}).items():
             for group in groups:
                 self._register(REPORTED_AXIS.get(axis, axis), group)
@@ -346,7 +345,7 @@ class CommTracker:
 
 # ------------------------------------------------------------------------------------------------------ patching
 # ------------------------------------------------------------------------------------------------------ helpers
-def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = ("dp_replicate", "dp_shard", "dp", "tp", "pp")) -> dict:
+def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = (*DP_AXES, *REPORTED_AXES)) -> dict:
     """``{reported axis: [process groups]}`` of the named axes of a DeviceMesh that has them."""
     groups: dict[str, list[dist.ProcessGroup]] = {}
     for axis in axes:
@@ -364,8 +363,6 @@ def register_ddp_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel)
     Uses torch's ``allreduce_hook`` (divide by the group size, all-reduce, the same result as DDP's built-in
     path). Returns False, and changes nothing, when the model already has a comm hook (DDP allows only one).
     """
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     try:
         ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
     except RuntimeError:  # "register_comm_hook ... can only be called once"

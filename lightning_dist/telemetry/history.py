@@ -7,12 +7,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_dist.parallel_dims import REPORTED_AXES
+
 #: Telemetry values copied into the records of the steps where the telemetry logged (every few steps).
 TELEMETRY_KEYS = ("perf/tokens_per_sec", "perf/tokens_per_sec_per_device", "perf/step_ms", "perf/data_ms", "perf/mfu",
-                  "memory/rss_gib", "memory/peak_allocated_gib", "comm/fraction", "comm/dp/ms", "comm/dp_shard/ms",
-                  "comm/dp_replicate/ms", "comm/tp/ms", "comm/pp/ms", "pipeline/bubble_fraction",
+                  "memory/rss_gib", "memory/peak_allocated_gib", "comm/fraction",
+                  *(f"comm/{axis}/ms" for axis in REPORTED_AXES), "pipeline/bubble_fraction",
                   "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib",
-                  *(f"comm/{axis}/{kind}" for axis in ("dp", "tp", "pp", "world")
+                  *(f"comm/{axis}/{kind}" for axis in (*REPORTED_AXES, "world")
                     for kind in ("bytes", "calls")))  # fmt: skip
 
 

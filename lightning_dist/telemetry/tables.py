@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.parallel_dims import DP, ParallelDims
 from lightning_dist.telemetry.comm import AXIS_ORDER, OpStats
 
 Table = tuple[list[str], list[list[Any]]]
@@ -29,7 +29,7 @@ def layout_table(dims: ParallelDims | None, world_size: int) -> Table:
     if dims is not None:
         rows = [[rank, *dims.coordinates(rank).values()] for rank in range(dims.world_size)]
         return ["rank", *dims.degrees], rows
-    return ["rank", "dp"], [[rank, rank] for rank in range(world_size)]
+    return ["rank", DP], [[rank, rank] for rank in range(world_size)]
 
 
 def write_csv(path: Path, columns: list[str], rows: list[list[Any]]) -> None:

@@ -97,10 +97,10 @@ def test_the_planned_bytes_per_logit_are_what_torch_allocates(peaks: dict[str, i
 def test_the_planned_activations_of_a_block_are_what_torch_allocates(mode: str, peaks: dict[str, int]) -> None:
     """The peak's change with one more block, its model states taken off, is what the block keeps for backward."""
     from lightning_dist.models.gpt import GPTConfig
-    from lightning_dist.plan.memory import ACT_BYTES, _block_params, block_activation_elements
+    from lightning_dist.plan.memory import ACT_BYTES, block_activation_elements, block_params
 
     cfg = GPTConfig(vocab_size=8192, n_layers=2, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336)
-    states = _block_params(cfg) * 16
+    states = block_params(cfg) * 16
     one, two = {"none": ("base", "block")}.get(mode, (mode, f"{mode}_block"))
     tokens = TOKENS * (1 if mode == "none" else 8)
     measured = (peaks[two] - peaks[one] - states) / (tokens * ACT_BYTES)

@@ -25,11 +25,12 @@ def _trace(recipe: str, rank: int):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
-    from lightning_dist.config.validate import build_parallel_dims
+    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.parallel.options import ParallelOptions
 
     cfg = compose_config([f"recipe={recipe}"])
-    dims = build_parallel_dims(cfg)
-    par, data = cfg.parallelism, cfg.data
+    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    data = cfg.data
     expected = count_local_params(cfg.model, tp=dims.tp, dp_shard=dims.dp_shard)
     with torch.device("meta"):
         whole = GPT(cfg.model).num_params(exclude_embedding=False)
@@ -40,18 +41,17 @@ def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
         assert trace.param_bytes == 4 * expected  # fp32 master weights; bf16 only in FSDP2's gathered copies
         estimate = estimate_memory(
             cfg.model,
+            dims,
+            options,
             local_params=trace.local_params,
             seq_len=data.seq_len,
             micro_batch=data.micro_batch_size,
-            tp=dims.tp,
-            dp_shard=dims.dp_shard,
-            activation_checkpointing=par.activation_checkpointing,
-            ac_selective=par.ac_selective,
         )
         assert estimate.fits(H100_GIB), estimate.gib()
     # What the recipe settings buy: the whole per-rank batch in one forward, nothing recomputed, would not fit.
     per_rank = data.global_batch_size // dims.dp_size
-    plain = estimate_memory(cfg.model, local_params=expected, seq_len=data.seq_len, micro_batch=per_rank, tp=dims.tp)
+    plain = estimate_memory(cfg.model, dims, ParallelOptions(), local_params=expected, seq_len=data.seq_len,
+                            micro_batch=per_rank)  # fmt: skip
     assert not plain.fits(H100_GIB), plain.gib()
 
 

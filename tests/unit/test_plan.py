@@ -12,7 +12,8 @@ from helpers import compose_config
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
-from lightning_dist.plan.cost import Layout, estimate, flops_per_token_of, rank_params, stage_params
+from lightning_dist.plan.cost import estimate, flops_per_token_of, rank_params, stage_params
+from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.search import layouts, rank
 
 # d_model 64, 2 layers, vocab 256, llama: a block = q,o (64x64 each) + k,v (64x64 each: 4 heads, no GQA)
@@ -45,7 +46,7 @@ def test_stage_parameters_by_hand() -> None:
 def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     seq, batch = 32, 8
     loop = 8 + 4 + 4  # per step: Lightning's SIGTERM broadcast, the loss sync, the preemption flag
-    fsdp = estimate(TINY, Layout(1, 2, 1, 1, micro_batch=4, microbatches=1), HW, seq, batch)
+    fsdp = estimate(TINY, Layout.of(4, 1, dp_shard=2), HW, seq, batch)
     params = stage_params(TINY, 1)
     grads = 3 + 2 * 9  # tensors: embedding, norm, head; 9 per block
     # bf16 gathers (forward + backward), fp32 reduce-scatter, the stacked fp32 gradient norms
@@ -58,7 +59,7 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     assert fsdp.tokens_per_sec_per_device == pytest.approx(batch * seq / fsdp.step_s / 2)
     assert fsdp.mfu == pytest.approx(flops_per_token_of(TINY, seq) * fsdp.tokens_per_sec_per_device / 100e12)
 
-    tp = estimate(TINY, Layout(1, 1, 2, 1, micro_batch=2, microbatches=2), HW, seq, batch)  # 2 accumulated steps
+    tp = estimate(TINY, Layout.of(2, 2, tp=2), HW, seq, batch)  # 2 accumulated steps
     activation = 2 * seq * 64 * 2  # a whole bf16 (micro batch, seq, d_model) tensor
     # Without FSDP2, autocast keeps the residual stream fp32: per micro batch the norm outputs' all-gathers (2 per
     # block, the head's input) and their gradients' reduce-scatters (and the embedding's) move fp32; the matmul
@@ -69,19 +70,19 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     assert tp.comm["tp"]["bytes"] == sequence + loss + norms + 4 * grads + (2 * 8 + 4 + 4)  # SIGTERM per batch
     assert tp.comm["tp"]["exposed_s"] == tp.comm["tp"]["seconds"]
 
-    one_f_one_b = estimate(TINY, Layout(1, 1, 1, 2, micro_batch=2, microbatches=4), HW, seq, batch)
+    one_f_one_b = estimate(TINY, Layout.of(2, 4, pp=2), HW, seq, batch)
     assert one_f_one_b.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     # stage 0: 4 activations sent and 4 gradients received; the loss broadcast, the norm, the loop
     fp32 = 2 * activation  # no FSDP2: the stages pass the fp32 residual stream
     assert one_f_one_b.comm["pp"]["bytes"] == 2 * 4 * fp32 + 4 + 4 + loop
     four = GPTConfig(vocab_size=256, n_layers=4, d_model=64, n_heads=4)  # 4 stages need 4 blocks
-    interleaved = estimate(four, Layout(1, 1, 1, 2, 2, 4, "Interleaved1F1B", 2), HW, seq, batch)
+    interleaved = estimate(four, Layout.of(2, 4, pp=2, schedule="Interleaved1F1B", stages_per_rank=2), HW, seq, batch)
     assert interleaved.bubble_fraction == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1)
     assert interleaved.comm["pp"]["bytes"] == 3 * 2 * 4 * fp32 + 4 + 4 + loop  # stage 0: 3 boundaries
-    zbv = estimate(four, Layout(1, 1, 1, 2, 2, 4, "ZBVZeroBubble", 2), HW, seq, batch)
+    zbv = estimate(four, Layout.of(2, 4, pp=2, schedule="ZBVZeroBubble", stages_per_rank=2), HW, seq, batch)
     assert zbv.bubble_fraction == pytest.approx((1 / 3) / (8 + 1 / 3))  # weight gradients fill 2/3 of the idle
     assert zbv.comm["pp"]["bytes"] == 2 * 2 * 4 * fp32 + 4 + 4 + loop  # the V's tip stays on rank 1
-    full = estimate(TINY, Layout(1, 2, 1, 1, 4, 1, ac="full"), HW, seq, batch)
+    full = estimate(TINY, Layout.of(4, 1, dp_shard=2, activation_checkpointing="full"), HW, seq, batch)
     assert full.compute_s == pytest.approx(fsdp.compute_s * 4 / 3)
     assert full.memory.activations < fsdp.memory.activations
 

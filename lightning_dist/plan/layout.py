@@ -1,0 +1,185 @@
+"""The planner's :class:`Layout` (one way to run a job) and how a GPT's blocks split into pipeline stages.
+
+A layout is built on the objects the strategy runs: its degrees are a
+:class:`~lightning_dist.parallel_dims.ParallelDims` and how its axes work (pipeline schedule and microbatches,
+activation checkpointing, sequence and loss parallelism) a :class:`~lightning_dist.parallel.options.ParallelOptions`,
+each validated when built, so a layout the strategy would refuse cannot be planned. Next to them is only what the
+planner alone has: the micro batch, Lightning's gradient accumulation (without a pipeline), and two ways of running
+that the mesh strategy does not (TP overlapped with the matmuls, Lightning's DDP).
+
+The stage split is here because the cost (:mod:`lightning_dist.plan.cost`) and the collectives
+(:mod:`lightning_dist.plan.collectives`) both need to know which blocks a pipeline rank holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.pipeline import balanced_split
+from lightning_dist.parallel_dims import AXES, DP_AXES, ParallelDims
+from lightning_dist.plan.memory import block_params
+
+#: The degrees in the plan's JSON: the data-parallel axes, then the others innermost first (dp_replicate, dp_shard,
+#: tp, pp).
+JSON_DEGREES: tuple[str, ...] = (*DP_AXES, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: its degrees, its options, and what only the planner varies.
+
+    Args:
+        dims: The degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``) over ``dims.world_size`` ranks.
+        options: Pipeline schedule, stages per rank and microbatches (``pp > 1``), activation checkpointing,
+            sequence and loss parallelism.
+        micro_batch: Samples per forward (under pp, one pipeline microbatch).
+        accumulate: Micro batches Lightning accumulates per optimizer step (``trainer.accumulate_grad_batches``);
+            1 under pp, whose micro batches are the pipeline's (``options.microbatches``).
+        tp_overlap: TP collectives overlapped with the matmuls (Megatron's ``--tp-comm-overlap``, async TP).
+        ddp: Lightning's ``DDPStrategy`` (``parallelism=ddp``) rather than the mesh strategy's replicas.
+
+    Raises:
+        ValueError: The layout cannot run (the degrees, the options, or the two together; one line naming the fix).
+    """
+
+    dims: ParallelDims
+    options: ParallelOptions
+    micro_batch: int
+    accumulate: int = 1
+    tp_overlap: bool = False
+    ddp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch={self.micro_batch} must be >= 1.")
+        if self.accumulate < 1:
+            raise ValueError(f"accumulate={self.accumulate} must be >= 1.")
+        if self.dims.pp_enabled and self.accumulate != 1:
+            raise ValueError(
+                f"accumulate={self.accumulate} with pp={self.pp}: a pipeline accumulates over its microbatches; set "
+                "options.microbatches instead."
+            )
+        if self.ddp and self.dims.dp_replicate != self.dims.world_size:
+            raise ValueError(f"ddp=True replicates the whole model but the layout is {self.dims.describe()}.")
+        self.options.check(self.dims)
+
+    @classmethod
+    def of(
+        cls, micro_batch: int, microbatches: int, *, tp_overlap: bool = False, ddp: bool = False, **fields: Any
+    ) -> Layout:
+        """A layout from the planner's numbers: ``microbatches`` are the micro batches per optimizer step (the
+        pipeline's under pp, else the ones Lightning accumulates); ``fields`` are the degrees (``dp_replicate``,
+        ``dp_shard``, ``tp``, ``pp``; 1 when not given) and :class:`ParallelOptions` fields."""
+        degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "tp", "pp")}
+        dims = ParallelDims(math.prod(degrees.values()), **degrees)
+        options = ParallelOptions(microbatches=microbatches if dims.pp > 1 else None, **fields)
+        accumulate = 1 if dims.pp > 1 else microbatches
+        return cls(dims, options, micro_batch, accumulate, tp_overlap=tp_overlap, ddp=ddp)
+
+    # ------------------------------------------------------------------------- read-only views of dims and options
+    @property
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def world(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.options.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        """Micro batches per optimizer step: the pipeline's (pp > 1), else the ones Lightning accumulates."""
+        return self.options.num_microbatches(self.dims.pp) if self.dims.pp_enabled else self.accumulate
+
+    @property
+    def ac(self) -> str:
+        """Activation checkpointing: ``none``, ``selective`` or ``full``."""
+        return self.options.activation_checkpointing
+
+    @property
+    def ac_selective(self) -> str:
+        """For ``ac="selective"``: ``op`` (keep matmul outputs), ``op_half`` (every other) or ``<n>``."""
+        return self.options.ac_selective
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.options.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.options.loss_parallel
+
+    # ------------------------------------------------------------------------------------------------- output
+    def to_json(self) -> dict[str, Any]:
+        """The plan's JSON object for this layout (plain values, in the planner's names)."""
+        degrees = self.dims.degrees
+        return {
+            **{axis: degrees[axis] for axis in JSON_DEGREES},
+            "micro_batch": self.micro_batch,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "stages_per_rank": self.stages_per_rank,
+            "ac": self.ac,
+            "ac_selective": self.ac_selective,
+            "tp_overlap": self.tp_overlap,
+            "ddp": self.ddp,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+        }
+
+    def describe(self) -> str:
+        degrees = f"pp{self.pp} tp{self.tp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
+        pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
+        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}"
+
+
+# ------------------------------------------------------------------------------------------------ stage split
+def stage_blocks(cfg: GPTConfig, num_stages: int) -> list[int]:
+    """Blocks of each of ``num_stages`` pipeline stages, as the strategy splits them."""
+    return [len(group) for group in stage_split(cfg, num_stages)] if num_stages > 1 else [cfg.n_layers]
+
+
+def stage_split(cfg: GPTConfig, num_stages: int) -> list[list[int]]:
+    """Block indices of each of ``num_stages`` pipeline stages: balanced by parameter count with the embedding on the
+    first and the final norm and head on the last (:func:`lightning_dist.parallel.pipeline.balanced_split`)."""
+    return _balanced_split(tuple(layer_params(cfg, 2)), num_stages)
+
+
+def layer_params(cfg: GPTConfig, pp: int) -> list[float]:
+    """Parameters per block, the embedding counted on the first and the final norm and head on the last."""
+    embedding = cfg.vocab_size * cfg.d_model
+    head = 0 if cfg.tie_embeddings and pp == 1 else cfg.vocab_size * cfg.d_model
+    costs = [float(block_params(cfg))] * cfg.n_layers
+    costs[0] += embedding
+    costs[-1] += head + cfg.d_model
+    return costs
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_split(costs: tuple[float, ...], num_stages: int) -> list[list[int]]:
+    """The strategy's split, cached: a search asks for the same model's split thousands of times."""
+    return balanced_split(list(costs), num_stages)
