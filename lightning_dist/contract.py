@@ -3,17 +3,28 @@
 Every method is optional: a module offers what its layouts need, and a strategy that needs a missing one stops with
 a message naming it. The strategies look hooks up only through :func:`module_hook`, so this Protocol is the whole
 contract. The reference :class:`~lightning_dist.models.module.GPTModule` implements all of it.
+
+The other way round, :class:`MeshStrategyView` is what the telemetry, data and checkpoint code read from a strategy
+beyond Lightning's own ``Strategy`` API; they look it up only through :func:`strategy_view`.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
+from typing_extensions import get_protocol_members
 
+from lightning_dist._compat import module_children
 from lightning_dist.parallel.pipeline import PipelineSpec
 from lightning_dist.parallel.tensor import TensorParallelPlan
+
+if TYPE_CHECKING:
+    from lightning_dist.parallel_dims import ParallelDims
+    from lightning_dist.strategies.stages import PipelineStages
 
 
 @runtime_checkable
@@ -23,9 +34,10 @@ class ParallelModule(Protocol):
     def compute_loss(self, batch: Any) -> Tensor:
         """Forward and loss of one batch; ``training_step`` and ``validation_step`` call it.
 
-        Under a pipeline (``pp > 1``) the strategy replaces it on the instance with a call to the schedule, which runs
-        forward and backward of every microbatch and returns the mean microbatch loss on every rank, so the module's
-        own ``training_step`` (logging included) stays as it is.
+        Under a pipeline (``pp > 1``) the strategy runs the module's ``training_step`` / ``validation_step`` /
+        ``test_step`` on a view of the module whose ``compute_loss`` calls the schedule (the instance itself is not
+        changed), which runs forward and backward of every microbatch and returns the mean microbatch loss on every
+        rank, so the module's own step (logging included) stays as it is.
         """
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
@@ -70,10 +82,70 @@ def module_hook(module: Any, name: str) -> Callable[..., Any] | None:
 
 def declared_blocks(module: Any) -> list[Any]:
     """The blocks a module declares through ``pipeline_spec()`` (FSDP2 wraps them one by one); [] without one."""
-    from lightning_dist._compat import module_children
-
     spec_fn = module_hook(module, "pipeline_spec")
     if spec_fn is None:
         return []
     spec = spec_fn()
     return list(module_children(spec.blocks(spec.model(module))).values())
+
+
+# --------------------------------------------------------------------------- what lightning-dist reads from a strategy
+@runtime_checkable
+class MeshStrategyView(Protocol):
+    """What the telemetry, data and checkpoint code read from a strategy beyond Lightning's ``Strategy`` API.
+
+    :class:`~lightning_dist.strategies.MeshStrategy` (so every strategy of ours built on it) offers all of it;
+    Lightning's own strategies (DDP, FSDP, single device) offer none of it but ``distributed_sampler_kwargs``, and each
+    reader falls back to what Lightning offers. Look a strategy up with :func:`strategy_view`, not ``isinstance``:
+    before Python 3.12 ``isinstance`` reads every member, and ``parallel_dims`` raises before the Trainer's set-up.
+    """
+
+    pending_save: Any
+    """The asynchronous checkpoint write in flight (a future), or ``None``; the checkpoint callback takes it (writes
+    ``None``)."""
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The validated layout (sizes, mesh and groups of every axis); ``RuntimeError`` before the set-up."""
+
+    @property
+    def pipeline(self) -> PipelineStages | None:
+        """This rank's pipeline stages and schedule (``pp > 1``, after ``setup``), else ``None``."""
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``{"num_replicas", "rank"}`` of this rank's data-parallel group (tp and pp peers share a coordinate)."""
+
+    def pop_bubble_fraction(self) -> float | None:
+        """This rank's pipeline idle fraction since the last call (``None`` without a pipeline or a step)."""
+
+
+#: The member names of :class:`MeshStrategyView`.
+VIEW_MEMBERS: frozenset[str] = frozenset(get_protocol_members(MeshStrategyView))
+
+
+def strategy_view(strategy: Any) -> MeshStrategyView | None:
+    """``strategy`` when it has every :class:`MeshStrategyView` member (our mesh strategies), else ``None`` (Lightning's
+    own strategies, or no strategy).
+
+    Each member is looked up without being read (``inspect.getattr_static``: no property runs), so this works before
+    the Trainer set the strategy up, when reading ``parallel_dims`` raises.
+    """
+    if strategy is None:
+        return None
+    missing = object()
+    if all(inspect.getattr_static(strategy, name, missing) is not missing for name in VIEW_MEMBERS):
+        return strategy
+    return None
+
+
+def data_parallel_kwargs(strategy: Any) -> dict[str, Any] | None:
+    """``{"num_replicas", "rank"}`` of the strategy's data-parallel group: a :class:`MeshStrategyView`'s, else (as
+    Lightning's ``Trainer.distributed_sampler_kwargs``) a ``ParallelStrategy``'s (DDP, FSDP, ...); ``None`` for a
+    single-device strategy or none."""
+    view = strategy_view(strategy)
+    if view is not None:
+        return view.distributed_sampler_kwargs
+    if isinstance(strategy, ParallelStrategy):
+        return strategy.distributed_sampler_kwargs
+    return None

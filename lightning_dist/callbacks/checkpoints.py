@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning_dist.callbacks import heartbeat
 from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
 from lightning_dist.checkpoint.weights import load_weights
+from lightning_dist.contract import strategy_view
 
 
 class InitWeights(pl.Callback):
@@ -92,9 +93,10 @@ class RunCheckpoints(pl.Callback):
         trainer.strategy.barrier()
         with heartbeat.busy(step):  # a save may take minutes: the launcher must not take it for a hang
             trainer.save_checkpoint(partial)
-        future = getattr(trainer.strategy, "pending_save", None)
+        view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
+        future = view.pending_save if view is not None else None
         if future is not None:
-            trainer.strategy.pending_save = None
+            view.pending_save = None
             future.add_done_callback(lambda _: self.written_s.append(time.monotonic() - started))
             self._pending = (future, partial, final)
         else:

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.data.config import DataConfig, validate_data_config
 from lightning_dist.data.files import TextDataset, TokenDataset
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
@@ -118,11 +119,14 @@ class TokenDataModule(pl.LightningDataModule):
 
     def data_parallel_info(self) -> tuple[int, int]:
         """Returns ``(num_replicas, rank)`` of the data-parallel group; ``(1, 0)`` without a parallel strategy."""
-        strategy = getattr(self.trainer, "strategy", None)
-        kwargs: dict[str, Any] | None = getattr(strategy, "distributed_sampler_kwargs", None)
+        kwargs = data_parallel_kwargs(self._strategy())
         if not kwargs:
             return 1, 0
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _strategy(self) -> Any:
+        """The attached Trainer's strategy; ``None`` without a Trainer."""
+        return self.trainer.strategy if self.trainer is not None else None
 
     def build_dataloader(self, split: str, num_replicas: int, rank: int) -> DataLoader:
         """Builds the loader of ``split`` for one data-parallel rank.
@@ -184,7 +188,8 @@ class TokenDataModule(pl.LightningDataModule):
             )
         batch_size = per_rank // accumulate
         # Under pipeline parallelism the loader serves whole per-rank batches; the schedule cuts the micro batches.
-        pipelined = getattr(getattr(self.trainer, "strategy", None), "pipeline", None) is not None
+        view = strategy_view(self._strategy())
+        pipelined = view is not None and view.pipeline is not None
         if micro is not None and micro != batch_size and not (pipelined and accumulate == 1):
             raise ValueError(
                 f"data.micro_batch_size={micro} but the Trainer accumulates {accumulate} batch(es) of the per-rank "

@@ -28,15 +28,15 @@ from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_dist._compat import run_atexit_handlers
 from lightning_dist.callbacks import heartbeat
 from lightning_dist.config import environment
+from lightning_dist.errors import LightningDistError, restart_would_repeat
 
-#: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
-PREEMPTED_EXIT_CODE = 75
 #: How long ranks get to reach a step boundary and save after the launcher forwarded a signal.
 SHUTDOWN_GRACE_S = 300.0
 
@@ -46,14 +46,37 @@ _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.r
 #: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
 
 
-class RankFailedError(RuntimeError):
-    """A rank raised or died; ``message`` is the one-line reason and ``details`` the rank's traceback."""
+class RankFailedError(LightningDistError, RuntimeError):
+    """A rank raised, died or hung; ``message`` is the one-line reason and ``details`` the rank's traceback.
 
-    def __init__(self, rank: int, message: str, details: str = "") -> None:
+    Attributes:
+        rank: The rank named as the cause.
+        message: One line, e.g. ``ValueError: data.path='x' matched no file`` or ``died (exit code 3)``.
+        details: The rank's traceback ("" when it did not raise).
+        kind: ``"raised"`` (a Python exception), ``"died"`` (exited or was killed without one) or ``"hung"``.
+        exc_type: The qualified class name of the rank's exception (``lightning_dist.errors.NonFiniteError``),
+            recorded in the rank itself; ``None`` unless ``kind`` is ``"raised"``.
+        will_repeat: Whether a restart would only fail the same way, decided in the rank from the exception's class
+            (:func:`lightning_dist.errors.restart_would_repeat`); ``False`` for a death or a hang.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        details: str = "",
+        *,
+        kind: str = "died",
+        exc_type: str | None = None,
+        will_repeat: bool = False,
+    ) -> None:
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
         self.message = message
         self.details = details
+        self.kind = kind
+        self.exc_type = exc_type
+        self.will_repeat = will_repeat
 
 
 def launched_externally() -> bool:
@@ -202,7 +225,7 @@ def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None
 
 
 def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
-    """End the job when a rank has been silent for longer than it allowed (see :mod:`lightning_dist.callbacks.heartbeat`).
+    """End the job when a rank has been silent for longer than it allowed (:mod:`lightning_dist.callbacks.heartbeat`).
 
     A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
     oldest is named (the one that stopped first, or one of those waiting on it).
@@ -222,6 +245,7 @@ def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
         rank,
         f"hung: no progress for {age:.0f} s after step {step} (allowed {allowed:.0f} s; trainer.hang_timeout_s); "
         "the job was stopped",
+        kind="hung",
     )
 
 
@@ -242,13 +266,18 @@ def _run_rank(
     os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
     _exit_with_launcher(int(env[environment.OURS_ENV]))
-    import torch
 
     torch.set_num_threads(threads)
     try:
         result = fn(*args)
     except BaseException as err:
-        record = {"message": f"{type(err).__name__}: {err}".splitlines()[0], "details": traceback.format_exc()}
+        record = {
+            "message": f"{type(err).__name__}: {err}".splitlines()[0],
+            "details": traceback.format_exc(),
+            # The class is known here only: the launcher decides a restart by it, not by the message's text.
+            "exc_type": f"{type(err).__module__}.{type(err).__qualname__}",
+            "will_repeat": restart_would_repeat(type(err)),
+        }
         (results / f"{local_rank}.err").write_bytes(pickle.dumps(record))
         raise
     # Written whole, then renamed: the launcher takes an existing .out as "this rank delivered".
@@ -304,7 +333,14 @@ def _failure(results: Path, exit_codes: list[int | None], first_noticed: int) ->
     if recorded:
         rank = min(recorded, key=lambda r: (recorded[r].stat().st_mtime_ns, r))
         record = pickle.loads(recorded[rank].read_bytes())
-        return RankFailedError(rank, record["message"], record["details"])
+        return RankFailedError(
+            rank,
+            record["message"],
+            record["details"],
+            kind="raised",
+            exc_type=record["exc_type"],
+            will_repeat=record["will_repeat"],
+        )
     return RankFailedError(first_noticed, f"failed (exit code {exit_codes[first_noticed]})")
 
 

@@ -6,9 +6,9 @@ preemption, and print what would be submitted.
 requires). Each task runs :func:`lightning_dist.run.train.run` as one rank; all share the run folder decided here.
 
 The job is sent ``SIGUSR2`` (submitit's ``--signal``) ``signal_delay_s`` before its time limit, and SIGTERM when
-preempted: the ranks stop after the same step and save (:mod:`lightning_dist.callbacks.preemption`), rank 0 requeues the job,
-and the requeued job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with the same
-W&B run.
+preempted: the ranks stop after the same step and save (:mod:`lightning_dist.callbacks.preemption`), rank 0 requeues
+the job, and the requeued job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint in the same folder, with
+the same W&B run.
 
 ``-m`` sweeps with ``hydra/launcher=slurm`` (``conf/hydra/launcher/slurm.yaml``: Hydra's submitit launcher with
 these fields) become job arrays; each array task's ranks share its sweep folder.
@@ -26,29 +26,30 @@ from typing import Any
 from lightning_dist import _compat
 from lightning_dist.config.environment import is_global_zero, launcher
 from lightning_dist.config.schema import TrainConfig
+from lightning_dist.run.result import RunResult
 
 
-def submit(cfg: TrainConfig, layout: str, run: Callable[[TrainConfig], dict[str, Any]]) -> dict[str, Any]:
+def submit(cfg: TrainConfig, layout: str, run: Callable[[TrainConfig], RunResult]) -> RunResult:
     """Submit ``cfg`` (or print it, with ``cluster.slurm.dry_run``); with the ``local`` executor, run it and wait.
 
     ``run`` is what each task calls with ``cfg`` (the app's :func:`lightning_dist.run.train.run`; passed in, so
     this module does not import the app that imports it).
 
     Returns:
-        ``{"output_dir", "job_id", "layout"}``, and the run's summary when it ran here.
+        ``output_dir``, ``layout``, ``job_id`` (``None`` and ``dry_run`` for a dry run), and the rest of the run's
+        summary (but its ``history``) when it ran here.
     """
     out_dir = Path(cfg.output_dir)
     executor = build_executor(cfg, out_dir / ".submitit")
     if cfg.cluster.slurm.dry_run:
         print(_compat.sbatch_script(executor))
         print(describe(cfg, layout))
-        return {"output_dir": str(out_dir), "job_id": None, "layout": layout, "dry_run": True}
+        return RunResult(output_dir=str(out_dir), layout=layout, dry_run=True)
     job = executor.submit(Job(cfg, run))
     print(f"submitted job {job.job_id}: {describe(cfg, layout)}; logs in {out_dir / '.submitit'}", flush=True)
-    result = {"output_dir": str(out_dir), "job_id": job.job_id, "layout": layout}
-    if cfg.cluster.slurm.executor == "local":
-        result.update(job.results()[0])
-    return result
+    if cfg.cluster.slurm.executor == "local":  # rank 0's summary, sent back as a plain dict
+        return RunResult.from_dict({**job.results()[0], "output_dir": str(out_dir), "job_id": job.job_id})
+    return RunResult(output_dir=str(out_dir), layout=layout, job_id=job.job_id)
 
 
 def build_executor(cfg: TrainConfig, folder: Path) -> Any:
@@ -96,15 +97,16 @@ def describe(cfg: TrainConfig, layout: str) -> str:
 class Job:
     """What each SLURM task runs: one rank of the training job (picklable: submitit sends it to the nodes)."""
 
-    def __init__(self, cfg: TrainConfig, run: Callable[[TrainConfig], dict[str, Any]]) -> None:
+    def __init__(self, cfg: TrainConfig, run: Callable[[TrainConfig], RunResult]) -> None:
         self.cfg, self.run = cfg, run
 
     def __call__(self) -> dict[str, Any]:
+        """The task's summary as a plain dict (:meth:`RunResult.to_dict`), without the per-step ``history``."""
         adopt_submitit_environment()
         result = self.run(self.cfg)
-        if result.get("preempted") and self.cfg.cluster.slurm.requeue:
+        if result.preempted and self.cfg.cluster.slurm.requeue:
             requeue()
-        return {k: v for k, v in result.items() if k != "history"}
+        return {k: v for k, v in result.to_dict().items() if k != "history"}
 
 
 def adopt_submitit_environment() -> None:

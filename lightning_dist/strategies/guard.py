@@ -16,9 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-
-class NonFiniteError(RuntimeError):
-    """A step's loss or gradient norm was NaN or Inf (``on_nonfinite="stop"``)."""
+from lightning_dist.errors import NonFiniteError  # defined with the other errors; importable from here as before
 
 
 def allow_step(norm: Tensor, loss: Any, action: str, module: pl.LightningModule) -> bool:

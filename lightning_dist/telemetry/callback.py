@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
+from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.telemetry.comm import (
     AXIS_ORDER,
     CommTracker,
@@ -44,10 +45,12 @@ METRIC_PREFIXES = ("perf", "comm", "memory", "pipeline")
 
 def _parallel_dims(strategy: Any) -> Any | None:
     """``strategy.parallel_dims`` with its mesh built, or None (Lightning's own strategies have none)."""
+    view = strategy_view(strategy)
+    if view is None:
+        return None
     try:
-        dims = getattr(strategy, "parallel_dims", None)
-        if dims is not None:
-            dims.mesh  # noqa: B018 - raises when the strategy has not built the mesh
+        dims = view.parallel_dims
+        dims.mesh  # noqa: B018 - raises when the strategy has not built the mesh
         return dims
     except RuntimeError:  # our strategies raise a clear error when read before setup
         return None
@@ -189,7 +192,7 @@ class Telemetry(pl.Callback):
     def _data_parallel_size(self, trainer: pl.Trainer) -> int:
         if self._dims is not None:
             return self._dims.dp_size
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        kwargs = data_parallel_kwargs(trainer.strategy) or {}
         return int(kwargs.get("num_replicas", trainer.world_size))
 
     # ----------------------------------------------------------------------------------------- per batch
@@ -280,8 +283,8 @@ class Telemetry(pl.Callback):
         local["memory/rss_gib"] = resident_memory_bytes() / _GIB
         for part, size in model_state_bytes(pl_module, trainer.optimizers).items():
             local[f"memory/{part}_gib"] = size / _GIB
-        pop_bubble = getattr(trainer.strategy, "pop_bubble_fraction", None)
-        bubble = pop_bubble() if callable(pop_bubble) else None
+        view = strategy_view(trainer.strategy)
+        bubble = view.pop_bubble_fraction() if view is not None else None
         if bubble is not None:
             local["pipeline/bubble_fraction"] = bubble
         low, high = self._min_max(local)

@@ -21,6 +21,7 @@ DIVERGING = ["optim.lr=1e3", "trainer.max_steps=30", "trainer.enable_checkpointi
 def test_a_diverging_run_stops_at_the_first_nonfinite_step(layout: list[str], tmp_path: Path) -> None:
     with pytest.raises(RankFailedError, match=r"NonFiniteError: step \d+: gradient norm nan .* is not finite") as err:
         run_app([*FAST, *DIVERGING, *layout], tmp_path)
+    assert err.value.exc_type == "lightning_dist.errors.NonFiniteError" and err.value.will_repeat  # not restarted
     failed_step = int(re.search(r"step (\d+):", str(err.value)).group(1))
     assert failed_step < 30
     latest = latest_checkpoint(tmp_path / "checkpoints")

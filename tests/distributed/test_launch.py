@@ -43,6 +43,14 @@ def _rank_one_raises() -> None:
     dist.barrier()
 
 
+class BadPath(ValueError):
+    """A bad value whose one-line message starts with its own class name, not "ValueError"."""
+
+
+def _raises_bad_path() -> None:
+    raise BadPath("data.path='x' matched no file")
+
+
 def _rank_one_hangs_on_the_way_out(work_s: float) -> int:
     import atexit
 
@@ -71,15 +79,25 @@ def test_results_come_back_by_rank() -> None:
 
 def test_a_dead_rank_ends_the_job_quickly_with_its_exit_code() -> None:
     start = time.perf_counter()
-    with pytest.raises(RankFailedError, match=r"rank 1: died \(exit code 3\)"):
+    with pytest.raises(RankFailedError, match=r"rank 1: died \(exit code 3\)") as info:
         launch(_rank_one_dies_while_others_wait, 2)
     assert time.perf_counter() - start < 60
+    assert (info.value.kind, info.value.exc_type, info.value.will_repeat) == ("died", None, False)  # may be transient
 
 
 def test_a_failing_rank_reports_its_own_error_not_the_others() -> None:
     with pytest.raises(RankFailedError, match=r"rank 1: ValueError: data.path='x' matched no file") as info:
         launch(_rank_one_raises, 2)
     assert "Traceback" in info.value.details
+    # The rank recorded its exception's class; a bad value would only fail again, so the app does not restart it.
+    assert (info.value.kind, info.value.exc_type, info.value.will_repeat) == ("raised", "builtins.ValueError", True)
+
+
+def test_a_rank_reports_its_exception_class_and_whether_a_restart_would_repeat_it() -> None:
+    """Decided in the rank from the class (a ValueError subclass repeats), not from the message's text."""
+    with pytest.raises(RankFailedError, match=r"rank 0: BadPath: data.path='x' matched no file") as info:
+        launch(_raises_bad_path, 1)
+    assert (info.value.exc_type, info.value.will_repeat) == (f"{__name__}.BadPath", True)
 
 
 def test_a_killed_rank_is_named_as_the_cause() -> None:

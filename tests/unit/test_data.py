@@ -20,9 +20,15 @@ SMALL = DataConfig(global_batch_size=8, seq_len=6, vocab_size=16, num_train_samp
 
 
 def _fake_trainer(num_replicas: int, rank: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": num_replicas, "rank": rank})
-    )
+    """A Trainer whose (Lightning DDP) strategy puts this process at data-parallel ``rank`` of ``num_replicas``."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class AtRank(DDPStrategy):
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, int]:
+            return {"num_replicas": num_replicas, "rank": rank}
+
+    return SimpleNamespace(strategy=AtRank())
 
 
 def _rows(batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[int, ...]]:

@@ -1,0 +1,41 @@
+"""lightning-dist's own exception classes, and which failures a restart of the job would only repeat.
+
+The bottom layer: nothing here imports the rest of the package, so a strategy can raise these and the launcher
+(:mod:`lightning_dist.run.launch`) can classify a rank's failure with them. Whether a failed job is started again
+(``trainer.max_restarts``) is decided by the failing exception's *class* (:func:`restart_would_repeat`), never by
+the text of its message.
+"""
+
+from __future__ import annotations
+
+#: Exception classes outside :class:`LightningDistError` whose failure a restart would only repeat: a bad value
+#: found on a rank (a config value, a data path, a model that cannot be split) is just as bad on the next start.
+REPEATING: tuple[type[BaseException], ...] = (ValueError,)
+
+
+class LightningDistError(Exception):
+    """Base class of lightning-dist's own errors."""
+
+    #: Whether starting the job again from its newest checkpoint would only fail the same way.
+    restart_would_repeat: bool = False
+
+
+class NonFiniteError(LightningDistError, RuntimeError):
+    """A step's loss or gradient norm was NaN or Inf (``trainer.on_nonfinite=stop``).
+
+    Restarting repeats it: the newest checkpoint precedes the step, and the same data and seed lead back to it.
+    """
+
+    restart_would_repeat = True
+
+
+def restart_would_repeat(exc_type: type[BaseException]) -> bool:
+    """Whether a rank that failed with an exception of class ``exc_type`` would fail the same way after a restart.
+
+    A :class:`LightningDistError` says so itself (``restart_would_repeat``); otherwise the classes in
+    :data:`REPEATING` (``ValueError`` and its subclasses) repeat, and anything else (a lost peer, an I/O error, a
+    crash) may be transient, so it is restarted.
+    """
+    if issubclass(exc_type, LightningDistError):
+        return exc_type.restart_would_repeat
+    return issubclass(exc_type, REPEATING)
