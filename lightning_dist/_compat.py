@@ -1,4 +1,4 @@
-"""Every private torch / Lightning API lightning-dist touches, in one place.
+"""Every private torch / Lightning / transformers API lightning-dist touches, in one place.
 
 When one of these moves in a new release, this is the only file to change.
 """
@@ -179,6 +179,28 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """``FakeTensorMode(**kwargs)``: a mode in which tensors carry shape, dtype and device but no storage.
+
+    ``torch._subclasses.fake_tensor.FakeTensorMode`` is private (there since torch 2.0; torch's own tracing and
+    ``torch.distributed._tools`` build on it); the planner steps an optimizer of any size on it.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def mem_tracker() -> Any:
+    """A new ``MemTracker``: follows every tensor a step creates, by module, and records the peak of what is alive.
+
+    ``torch.distributed._tools.mem_tracker.MemTracker`` is private (there since torch 2.5); it works under
+    :func:`fake_tensor_mode`, so the planner measures a rank's peak memory without allocating it.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
 # --------------------------------------------------------------------------------------------- nn.Module surgery
 def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.
@@ -230,6 +252,32 @@ def update_dataloader(dataloader: Any, sampler: Any) -> Any:
     from lightning.pytorch.utilities.data import _update_dataloader
 
     return _update_dataloader(dataloader, sampler)
+
+
+# -------------------------------------------------------------------------------------------- Lightning loggers
+def set_csv_columns(writer: Any, columns: list[str]) -> None:
+    """Make a ``CSVLogger``'s writer (``logger.experiment``) append rows under ``columns`` (the header kept on disk).
+
+    The writer's class is Lightning's ``lightning.fabric.loggers.csv_logs._ExperimentWriter`` (private, the base of
+    ``lightning.pytorch``'s ``ExperimentWriter``); its ``metrics_keys`` list is the header it writes and extends.
+    """
+    writer.metrics_keys = sorted(columns)
+
+
+# -------------------------------------------------------------------------------------------------------- transformers
+def set_attn_implementation(config: Any, name: str) -> None:
+    """Make models built from the transformers ``config`` use the attention implementation ``name`` (``"sdpa"``...).
+
+    transformers (4.x to 5.x) has no public setter on a config: ``from_pretrained(attn_implementation=...)`` sets
+    the private ``PretrainedConfig._attn_implementation`` (a property that also sets it on sub-configs), as here.
+    """
+    config._attn_implementation = name
+
+
+def attn_implementation(config: Any, default: str = "sdpa") -> str:
+    """The attention implementation the transformers ``config`` asks for (its private ``_attn_implementation``);
+    ``default`` where the config has no such attribute."""
+    return getattr(config, "_attn_implementation", default)
 
 
 # ----------------------------------------------------------------------------------------------------------- submitit

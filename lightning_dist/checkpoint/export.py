@@ -27,6 +27,8 @@ from torch import Tensor
 from lightning_dist import _compat
 from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
 from lightning_dist.checkpoint.weights import MODULE_ATTR
+from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
 
 _PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; DCP flattens nested keys with dots
 
@@ -141,9 +143,6 @@ def export_hf(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None, max
 
 def _hf_plan(ckpt: Checkpoint) -> tuple[dict[str, Any], list[Any]]:
     """The HuggingFace config and the list of tensors to write, each with the checkpoint tensors it is made from."""
-    from lightning_dist.models.gpt import GPTConfig
-    from lightning_dist.models.gpt_hf import Converted, _same, hf_config, hf_tensors
-
     hp = ckpt.hyper_parameters
     if isinstance(hp.get("model"), dict) and "arch" in hp["model"]:
         gpt = GPTConfig(**hp["model"])
@@ -154,7 +153,7 @@ def _hf_plan(ckpt: Checkpoint) -> tuple[dict[str, Any], list[Any]]:
         tied = config.get("tie_word_embeddings", False)
         names = [n for n in ckpt.names if n.startswith(MODULE_ATTR)]
         kept = [n for n in names if not (tied and n.endswith("lm_head.weight"))]  # transformers re-ties the head
-        plan = [Converted(n[len(MODULE_ATTR) :], (n,), _same) for n in kept]
+        plan = [Converted(n[len(MODULE_ATTR) :], (n,), same) for n in kept]
         return config, plan
     raise ValueError(
         f"{ckpt.path} holds neither the built-in GPT nor an HFCausalLM (hyper_parameters: {sorted(hp) or 'none'}); "

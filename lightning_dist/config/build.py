@@ -12,9 +12,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_dist import _compat
 from lightning_dist.config.schema import HFModelConfig, TrainConfig
+from lightning_dist.data import TokenDataModule
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.hf import TINY_CONFIGS, HFCausalLM
+from lightning_dist.models.module import GPTModule
 
 
 def num_blocks(model: Any) -> int | None:
@@ -30,13 +34,9 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
     """The LightningModule of the run (built on every rank after seeding, so every rank starts from the same one)."""
     model = cfg.model
     if isinstance(model, GPTConfig):
-        from lightning_dist.models.module import GPTModule
-
         return GPTModule(model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed)
     if isinstance(model, HFModelConfig):
         from transformers import AutoModelForCausalLM
-
-        from lightning_dist.models.hf import HFCausalLM
 
         lm = AutoModelForCausalLM.from_config(hf_config(model))
         return HFCausalLM(lm, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -52,8 +52,6 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
 def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
     """The run's data: the built-in TokenDataModule, or the user's DataModule."""
     if isinstance(cfg.data, DataConfig):
-        from lightning_dist.data import TokenDataModule
-
         return TokenDataModule(cfg.data, seed=cfg.seed)
     datamodule = cfg.data.build()
     if not isinstance(datamodule, pl.LightningDataModule):
@@ -70,7 +68,6 @@ def hf_config(model: HFModelConfig) -> Any:
         import transformers
     except ImportError:
         raise ValueError("model=hf needs transformers; pip install 'lightning-dist[hf]'.") from None
-    from lightning_dist.models.hf import TINY_CONFIGS
 
     if model.config in TINY_CONFIGS:
         class_name, kwargs = TINY_CONFIGS[model.config]
@@ -83,7 +80,7 @@ def hf_config(model: HFModelConfig) -> Any:
                 f"model.config={model.config!r} is neither a built-in tiny config ({', '.join(TINY_CONFIGS)}) nor a "
                 f"local transformers config ({str(err).splitlines()[0]}); give a directory holding config.json."
             ) from None
-    config._attn_implementation = model.attn_implementation
+    _compat.set_attn_implementation(config, model.attn_implementation)
     return config
 
 

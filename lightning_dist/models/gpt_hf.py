@@ -1,7 +1,7 @@
 """The built-in GPT in HuggingFace's names: ``arch=llama`` as ``LlamaForCausalLM``, ``gpt2`` as ``GPT2LMHeadModel``.
 
-Only names, shapes and configs here (no I/O, no distributed code): :mod:`lightning_dist.checkpoint.export` streams tensors
-through these maps, and ``init_from`` reads HuggingFace weights back through the inverse one.
+Only names, shapes and configs here (no I/O, no distributed code): :mod:`lightning_dist.checkpoint.export` streams
+tensors through these maps, and ``init_from`` reads HuggingFace weights back through the inverse one.
 
 Our RoPE rotates the pairs ``(x[i], x[i + D/2])`` like transformers' ``rotate_half``, so the Llama query and key
 projections need no permutation (Meta's original checkpoints, which rotate adjacent pairs, would). GPT-2's
@@ -59,7 +59,8 @@ class Converted:
     combine: Callable[..., Tensor]
 
 
-def _same(tensor: Tensor) -> Tensor:
+def same(tensor: Tensor) -> Tensor:
+    """The conversion of a tensor that keeps its name's layout: ``tensor`` itself."""
     return tensor
 
 
@@ -82,9 +83,9 @@ def hf_tensors(cfg: GPTConfig) -> list[Converted]:
     layers = range(cfg.n_layers)
     if cfg.arch == "llama":
         top = {o: t for o, t in _LLAMA_TOP.items() if not (cfg.tie_embeddings and o == "head.weight")}
-        out = [Converted(theirs, (ours,), _same) for ours, theirs in top.items()]
+        out = [Converted(theirs, (ours,), same) for ours, theirs in top.items()]
         for i in layers:
-            out += [Converted(f"model.layers.{i}.{t}", (f"layers.{i}.{o}",), _same) for o, t in _LLAMA_LAYER.items()]
+            out += [Converted(f"model.layers.{i}.{t}", (f"layers.{i}.{o}",), same) for o, t in _LLAMA_LAYER.items()]
         return out
     if cfg.kv_heads != cfg.n_heads:
         raise ValueError(
@@ -92,7 +93,7 @@ def hf_tensors(cfg: GPTConfig) -> list[Converted]:
             "counterpart; export it with --format torch."
         )
     top = {o: t for o, t in _GPT2_TOP.items() if not (cfg.tie_embeddings and o == "head.weight")}
-    out = [Converted(theirs, (ours,), _same) for ours, theirs in top.items()]
+    out = [Converted(theirs, (ours,), same) for ours, theirs in top.items()]
     for i in layers:
         prefix = f"layers.{i}.attn."
         for kind in ("weight", "bias"):

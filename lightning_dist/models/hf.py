@@ -22,9 +22,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_dist import _compat
 from lightning_dist.models.module import StepLoss
 from lightning_dist.parallel.pipeline import PipelineSpec
 
@@ -67,7 +68,6 @@ class _Conv1DStyle(ParallelStyle):
         self.rowwise = rowwise
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 
         weight_placement, bias_placement = (Shard(0), Replicate()) if self.rowwise else (Shard(1), Shard(0))
         input_placement, output_placement = (Shard(-1), Replicate()) if self.rowwise else (Replicate(), Shard(-1))
@@ -238,7 +238,7 @@ class HFCausalLM(pl.LightningModule):
 
     def pipeline_spec(self) -> PipelineSpec:
         """Decoder layers as blocks; embeddings first; final norm and head last; the stage forward above."""
-        attn = getattr(self.model.config, "_attn_implementation", "sdpa")
+        attn = _compat.attn_implementation(self.model.config)
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn!r} is untested under pipelines here; load with 'sdpa'.")
         common = {"model_attr": "model", "loss_fn": causal_lm_loss, "split_batch": split_causal_batch}

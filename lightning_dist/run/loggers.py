@@ -13,6 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lightning_dist import _compat
+from lightning_dist.config.environment import is_global_zero
 from lightning_dist.config.schema import LoggerConfig, TrainConfig
 
 
@@ -25,13 +29,11 @@ def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig, continu
         run_cfg: The whole run's config (logged to W&B).
         continue_from: The checkpoint (``<out_dir>/checkpoints/step-<N>``) this run continues, or ``None``.
     """
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
-
     if cfg.kind == "none":
         return False
     if cfg.kind == "csv":
         logger = CSVLogger(save_dir=out_dir, name="csv", version="")
-        if continue_from is not None and _rank() == 0:
+        if continue_from is not None and is_global_zero():
             _continue_csv(logger, _step_of(continue_from))
         return logger
     if cfg.kind == "wandb":
@@ -58,9 +60,7 @@ def wandb_offline_by_default() -> bool:
 
 def finish_wandb(logger) -> str | None:
     """Close the W&B run on rank 0; returns its local folder (for ``wandb sync``)."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    if not isinstance(logger, WandbLogger) or _rank() != 0:
+    if not isinstance(logger, WandbLogger) or not is_global_zero():
         return None
     import wandb
 
@@ -84,7 +84,7 @@ def _continue_csv(logger, resume_step: int) -> None:
             out = csv.DictWriter(file, fieldnames=header)
             out.writeheader()
             out.writerows(rows)
-        writer.metrics_keys = sorted(header)
+        _compat.set_csv_columns(writer, header)
 
 
 def _wandb_run_id(out_dir: Path) -> str | None:
@@ -95,7 +95,3 @@ def _wandb_run_id(out_dir: Path) -> str | None:
 
 def _step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step-"))
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
