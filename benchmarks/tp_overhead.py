@@ -103,10 +103,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
 from lightning_dist.models.module import GPTModule, warmup_cosine
+from lightning_dist.models.optim import OptimConfig
 from lightning_dist.parallel.clip import global_grad_norm
 from lightning_dist.run.launch import launch
 

@@ -15,9 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_dist.run.launch import PREEMPTED_EXIT_CODE
-
-__all__ = ["PREEMPTED_EXIT_CODE", "Preemption"]
+#: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
+PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 #: Set in every rank our own launcher starts (:mod:`lightning_dist.run.launch`): the launcher's pid.
 OURS_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 
@@ -145,7 +147,6 @@ def check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
 
 
 def cuda_count() -> int:
-    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -25,7 +25,6 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
     Raises:
         ValueError: One line naming the value and the fix.
     """
-
     output_dir, ckpt_path, resume = cfg.output_dir, cfg.ckpt_path, cfg.resume
     if ckpt_path == "last":
         resume, ckpt_path = "auto", None
@@ -51,7 +50,6 @@ def _continue_after_external_restart(output_dir: str | None) -> str | None:
     The first start of a torchrun / srun job whose folder (named by the rendezvous id or job id) already holds
     checkpoints is refused: continuing or overwriting another run must be asked for.
     """
-
     if launcher() not in ("torchrun", "slurm"):
         return None
     found = latest_checkpoint(Path(output_dir) / "checkpoints") if output_dir else None

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_dist.config.environment import run_dir
 from lightning_dist.data.config import DataConfig
-from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.models.optim import OptimConfig
 
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
 #: finds them as an editable install does.
@@ -163,28 +166,6 @@ class PlanConfig:
 
 
 @dataclass
-class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
-
-    lr: float = 3e-3
-    """Peak learning rate."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on norms, biases or embeddings)."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.95
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    warmup_steps: int = 20
-    """Linear warmup steps from 0 to lr."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay floor as a fraction of lr, reached at decay_steps."""
-    decay_steps: int | None = None
-    """Length of the warmup + cosine schedule; None = trainer.max_steps (set it to stop a run early)."""
-
-
-@dataclass
 class TrainerConfig:
     """Arguments of Lightning's Trainer that a run sets."""
 
@@ -267,7 +248,6 @@ class TargetConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def build(self) -> Any:
-        from hydra.utils import instantiate
 
         return instantiate({"_target_": self.target, **self.kwargs})
 
@@ -341,8 +321,6 @@ def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
 
 def register_configs() -> None:
     """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
-    from lightning_dist.config.environment import run_dir
-
     if not OmegaConf.has_resolver("ld_run_dir"):  # hydra.run.dir: one folder for every rank, node and restart
         OmegaConf.register_new_resolver("ld_run_dir", run_dir, use_cache=True)
     store = ConfigStore.instance()

@@ -24,7 +24,7 @@ from lightning_dist.data import TokenDataModule
 from lightning_dist.data.config import DataConfig, validate_data_config
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_parallel import check_tensor_parallel
-from lightning_dist.parallel.options import NONFINITE_ACTIONS, ParallelOptions
+from lightning_dist.parallel.options import ParallelOptions, check_accumulation
 from lightning_dist.parallel_dims import ParallelDims
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
@@ -142,13 +142,8 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
 
 # ------------------------------------------------------------------------------------------------ the run itself
 def _check_run_fields(cfg: TrainConfig) -> None:
-    """The run's length, logging and checkpoint settings."""
+    """The run's length, logging and checkpoint settings (``trainer.on_nonfinite`` is a ParallelOptions rule)."""
     trainer, every = cfg.trainer, cfg.checkpoint
-    if trainer.on_nonfinite not in NONFINITE_ACTIONS:
-        raise ValueError(
-            f"trainer.on_nonfinite={trainer.on_nonfinite!r} is unknown; use stop (end the run) or skip (drop such "
-            "steps)."
-        )
     for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
         if getattr(trainer, name) < 1:
             raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")
@@ -286,12 +281,7 @@ def split_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be >= 1.")
     unchanged = BatchSplit(getattr(cfg.data, "micro_batch_size", None), accumulate, par.microbatches)
     if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch
-        if dims.pp_enabled and accumulate > 1:
-            raise ValueError(
-                f"trainer.accumulate_grad_batches={accumulate} with parallelism.pp={dims.pp}: a pipeline accumulates "
-                f"over its microbatches; make your loader's batch {accumulate}x larger and set "
-                f"parallelism.microbatches to the number of micro batches it holds."
-            )
+        check_accumulation(accumulate, dims.pp, prefix="parallelism.", trainer_prefix="trainer.")
         return unchanged
     data, micro = cfg.data, cfg.data.micro_batch_size
     where = f"the per-rank batch {per_rank_batch} (data.global_batch_size={data.global_batch_size} / dp={dims.dp_size})"

@@ -6,7 +6,6 @@ follow too.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import Any
 
@@ -16,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPT, GPTConfig
+from lightning_dist.models.gpt_parallel import check_tensor_parallel, gpt_tensor_parallel_plan
+from lightning_dist.models.optim import OptimConfig, warmup_cosine
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 
@@ -92,8 +92,6 @@ class GPTModule(pl.LightningModule):
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
         """The GPT's tensor-parallel plan, by module name relative to this module."""
-        from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
-
         return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel)
 
     def pipeline_spec(self) -> PipelineSpec:
@@ -108,8 +106,6 @@ class GPTModule(pl.LightningModule):
 
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
         """Raise before sharding when ``tp`` cannot split this model."""
-        from lightning_dist.models.gpt_parallel import check_tensor_parallel
-
         check_tensor_parallel(self.model_config, tp, None, sequence_parallel)
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -151,15 +147,3 @@ class StepLoss:
         if len(self._losses) < trainer.accumulate_grad_batches:
             return None
         return torch.stack(self._losses).mean()
-
-
-def warmup_cosine(cfg: OptimConfig, max_steps: int):
-    """LR multiplier: linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor

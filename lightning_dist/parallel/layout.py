@@ -6,6 +6,8 @@ its pipeline stages and their blocks, the tensor-parallel style applied to each 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,8 +44,8 @@ class RankLayout:
         return cls(rank=rank, coordinates=dims.coordinates(rank), **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only (JSON): for the run report."""
-        return asdict(self)
+        """Plain JSON types only (lists, not tuples): as the run report stores it."""
+        return json.loads(json.dumps(asdict(self)))
 
     def lines(self) -> list[str]:
         """A short human-readable description, one fact per line."""
@@ -66,5 +68,8 @@ class RankLayout:
 
 
 def _abbreviate(names: list[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+    """Names with block indices folded (``layers.0.mlp`` and ``layers.1.mlp`` -> ``layers.*.mlp``), at most
+    ``limit`` of them, and how many modules they stand for."""
+    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name) for name in names))
+    shown = ", ".join(patterns[:limit]) + (", ..." if len(patterns) > limit else "")
+    return f"{shown} ({len(names)})"

@@ -11,6 +11,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.environments import (
+    LightningEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+
 from lightning_dist.config.environment import env_int, launcher
 
 
@@ -94,17 +101,11 @@ def _check_port_free(port: int) -> None:
 def lightning_environment() -> list[Any]:
     """Lightning's cluster environment for how this rank was started, set explicitly (Trainer ``plugins``).
 
-    Under SLURM, Lightning's own SIGUSR1 requeue is off: :mod:`lightning_dist.callbacks.preemption` saves at a step boundary
-    and :func:`lightning_dist.run.slurm.requeue` requeues. In our own ranks, a SLURM variable left in the shell must
-    not make Lightning read its ranks from SLURM; nor under torchrun started by srun (one agent per node), where
-    Lightning would look at SLURM's variables first.
+    Under SLURM, Lightning's own SIGUSR1 requeue is off: :mod:`lightning_dist.callbacks.preemption` saves at a step
+    boundary and :func:`lightning_dist.run.slurm.requeue` requeues. In our own ranks, a SLURM variable left in the
+    shell must not make Lightning read its ranks from SLURM; nor under torchrun started by srun (one agent per node),
+    where Lightning would look at SLURM's variables first.
     """
-    from lightning.pytorch.plugins.environments import (
-        LightningEnvironment,
-        SLURMEnvironment,
-        TorchElasticEnvironment,
-    )
-
     kind = launcher()
     if kind == "slurm":
         return [SLURMEnvironment(auto_requeue=False)]
@@ -119,7 +120,6 @@ class SharedFolderCheck:
     """A Lightning callback running :func:`check_shared_folder` at setup (built lazily: no Lightning import here)."""
 
     def __new__(cls, folder: Path) -> Any:
-        import lightning.pytorch as pl
 
         class _SharedFolderCheck(pl.Callback):
             def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 
@@ -16,15 +15,17 @@ from lightning_dist.config.build import build_datamodule, build_module
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
+from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.run.cluster import SharedFolderCheck, lightning_environment
 from lightning_dist.run.loggers import build_logger, finish_wandb
-from lightning_dist.strategies import build_strategy
+from lightning_dist.run.result import RunResult
+from lightning_dist.strategies import MeshStrategy, build_strategy
 from lightning_dist.telemetry import LossHistory, Telemetry
 from lightning_dist.telemetry.history import merge_telemetry
 
 
-def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
-    """Train on this rank with Lightning's ``Trainer.fit``; returns a summary (rank 0's is printed).
+def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> RunResult:
+    """Train on this rank with Lightning's ``Trainer.fit``; returns this rank's summary (rank 0's is printed).
 
     Args:
         run: The checked run :func:`~lightning_dist.config.validate.validate` returned (the app's launcher hands
@@ -47,7 +48,8 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> d
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
     preemption = Preemption()
-    all_callbacks = [history, preemption, Heartbeat(cfg.trainer.hang_timeout_s), *callbacks]
+    shown = ShowLayout()
+    all_callbacks = [history, preemption, Heartbeat(cfg.trainer.hang_timeout_s), shown, *callbacks]
     if cfg.trainer.telemetry:
         telemetry = Telemetry(
             peak_tflops=cfg.cluster.peak_tflops,
@@ -89,19 +91,40 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> d
     if cfg.trainer.telemetry:
         merge_telemetry(history.records, telemetry.history)
     metrics = trainer.callback_metrics
-    result = {
-        "output_dir": str(out_dir),
-        "layout": valid.layout,
-        "steps": trainer.global_step,
-        "train_loss": float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
-        "val_loss": float(metrics["val/loss"]) if "val/loss" in metrics else None,
-        "loss_floor": getattr(datamodule, "loss_floor", None),
-        "history": history.records,
-        "checkpoint": str(checkpoint.last_path) if checkpoint.last_path else None,
-        "checkpoint_blocked_s": checkpoint.blocked_s,
-        "checkpoint_written_s": checkpoint.written_s,
-        "preempted": preemption.signal_name,
-        "wandb_dir": finish_wandb(logger),
-        "csv": str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
-    }
-    return result
+    return RunResult(
+        output_dir=str(out_dir),
+        layout=valid.layout,
+        steps=trainer.global_step,
+        train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
+        val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
+        loss_floor=getattr(datamodule, "loss_floor", None),
+        history=history.records,
+        rank_layouts=[layout.to_dict() for layout in shown.layouts],
+        checkpoint=str(checkpoint.last_path) if checkpoint.last_path else None,
+        checkpoint_blocked_s=checkpoint.blocked_s,
+        checkpoint_written_s=checkpoint.written_s,
+        preempted=preemption.signal_name,
+        wandb_dir=finish_wandb(logger),
+        csv=str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
+    )
+
+
+class ShowLayout(pl.Callback):
+    """Print what each rank holds (``strategy.describe(all_ranks=True)``) once the model is laid out, and keep it for
+    the run report. Mesh strategies only: Lightning's DDP holds the whole model on every rank."""
+
+    #: Ranks printed at start-up (all of them go to the report).
+    PRINTED = 8
+
+    def __init__(self) -> None:
+        self.layouts: list[RankLayout] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(trainer.strategy, MeshStrategy):
+            return
+        self.layouts = trainer.strategy.describe(all_ranks=True)
+        if trainer.is_global_zero:
+            lines = [line for layout in self.layouts[: self.PRINTED] for line in layout.lines()]
+            if len(self.layouts) > self.PRINTED:
+                lines.append(f"... {len(self.layouts) - self.PRINTED} more ranks in report.json")
+            print("what each rank holds (strategy.describe()):\n  " + "\n  ".join(lines), flush=True)

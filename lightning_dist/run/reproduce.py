@@ -27,7 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
+from lightning_dist.run.train import run
 
 GOLDEN_DIR = CONF_DIR / "recipe" / "golden"
 DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "tokens_per_sec_band": [0.2, 5.0], "memory_band": [0.5, 2.0]}
@@ -35,19 +41,11 @@ DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "tokens_per_sec_band": [0.2, 5.0], "mem
 
 def machine_kind() -> str:
     """``cpu``, or the GPU's name in lower case with spaces as dashes (``nvidia-h100-80gb-hbm3``)."""
-    import torch
-
     return torch.cuda.get_device_name(0).lower().replace(" ", "-") if torch.cuda.is_available() else "cpu"
 
 
 def compose(recipe: str, overrides: list[str]) -> TrainConfig:
     """The recipe's config, as ``lightning-dist-train recipe=<recipe> <overrides>`` composes it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lightning_dist.config.schema import CONF_DIR
-
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -57,8 +55,6 @@ def compose(recipe: str, overrides: list[str]) -> TrainConfig:
 
 def measure(recipe: str, steps: int | None, out_dir: Path, halves: bool) -> dict[str, Any]:
     """Run the recipe (in two halves with a resume between them when ``halves``) and return what was measured."""
-    from lightning_dist.run.train import run
-
     base = compose(recipe, [])
     total = base.trainer.max_steps
     steps = steps or total

@@ -18,6 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_dist.checkpoint.store import latest_checkpoint
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
@@ -26,7 +27,8 @@ from lightning_dist.plan.estimate_run import predicted_and_measured
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.fit import fit
-from lightning_dist.run.launch import PREEMPTED_EXIT_CODE, RankFailedError, launch, launched_externally
+from lightning_dist.run.launch import RankFailedError, launch, launched_externally
+from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
 
 log = logging.getLogger("lightning_dist")
@@ -40,7 +42,7 @@ def main() -> None:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
+def _hydra_main(cfg: DictConfig) -> RunResult:
     slurm.adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
     output_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
     try:
@@ -49,13 +51,11 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
         result = run(train_cfg)
     except (ValueError, FileNotFoundError, RankFailedError) as err:
         _fail(err, Path(output_dir))
-    if result.get("preempted"):
-        saved = (
-            f"checkpoint {result['checkpoint']}" if result.get("checkpoint") else "no checkpoint (checkpointing off)"
-        )
+    if result.preempted:
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpointing off)"
         print(
-            f"preempted: {result['preempted']} received; stopped after step {result['steps']}, {saved}; continue "
-            f"with: lightning-dist-train resume={result['output_dir']}",
+            f"preempted: {result.preempted} received; stopped after step {result.steps}, {saved}; continue "
+            f"with: lightning-dist-train resume={result.output_dir}",
             file=sys.stderr,
             flush=True,
         )
@@ -63,7 +63,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
+def run(cfg: TrainConfig) -> RunResult:
     """Check ``cfg``, run it on ``cluster.devices`` local ranks (or in this rank under torchrun/SLURM), report."""
     valid = validate(cfg)
     cfg, dims = valid.cfg, valid.dims
@@ -71,38 +71,55 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     _check_writable(out_dir)
     if should_submit(cfg.cluster):  # on the login node
         result = slurm.submit(cfg, valid.layout, run)
-        if "steps" in result:  # submitit's local executor ran it here
+        if result.steps is not None:  # submitit's local executor ran it here
             _print_summary(result)
         return result
     start = time.perf_counter()
     if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
         preflight(cfg, dims)
         result = fit(valid)
-        if result.get("preempted") and cfg.cluster.slurm.requeue:
+        if result.preempted and cfg.cluster.slurm.requeue:
             slurm.requeue()
     else:
         result = _launch_with_restarts(valid)
-    result["wall_time_s"] = time.perf_counter() - start
+    result.wall_time_s = time.perf_counter() - start
     if is_global_zero():  # one writer per job
         _write_report(valid, result)
     _print_summary(result)
     return result
 
 
-def _write_report(valid: ValidRun, result: dict[str, Any]) -> None:
+def _write_report(valid: ValidRun, result: RunResult) -> None:
     """``report.json`` always; ``report.html`` and its PNGs unless ``trainer.report=false``."""
     cfg, dims = valid.cfg, valid.dims
-    result["ranks"] = [{"rank": rank, **dims.coordinates(rank)} for rank in range(min(dims.world_size, 256))]
-    result["prediction"], result["hardware"] = predicted_and_measured(cfg, dims, result), cfg.hardware.name
-    write_summary(Path(result["output_dir"]), result)
+    result.ranks = _rank_rows(dims, result.rank_layouts)
+    result.prediction, result.hardware = predicted_and_measured(cfg, dims, result.to_dict()), cfg.hardware.name
+    write_summary(Path(result.output_dir), result.to_dict())
     if cfg.trainer.report:
-        result["report"] = str(render(Path(result["output_dir"])))
+        result.report = str(render(Path(result.output_dir)))
 
 
-def _launch_with_restarts(valid: ValidRun) -> dict[str, Any]:
+def _rank_rows(dims: Any, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per rank for the report: its coordinates and, from ``strategy.describe()``, what it holds."""
+    rows = []
+    for rank in range(min(dims.world_size, 256)):
+        row: dict[str, Any] = {"rank": rank, **dims.coordinates(rank)}
+        if rank < len(layouts):
+            held = layouts[rank]
+            blocks = held["blocks"]
+            row["stages"] = " ".join(f"{s}: {', '.join(b)}" for s, b in zip(held["stages"], blocks)) if blocks else "-"
+            row["tensor parallel"] = f"{len(held['tp_styles'])} modules" if held["tp_styles"] else "-"
+            row["FSDP2 units"] = len(held["fsdp_units"])
+        rows.append(row)
+    return rows
+
+
+def _launch_with_restarts(valid: ValidRun) -> RunResult:
     """Run the ranks; when one dies or hangs, start them again from the newest checkpoint, ``max_restarts`` times.
 
-    A failure that would only repeat (a non-finite step, a bad value found on a rank) is not restarted.
+    A failure that would only repeat (a non-finite step, a bad value found on a rank) is not restarted: the failing
+    rank classified its exception's class (:func:`lightning_dist.errors.restart_would_repeat`), and
+    ``RankFailedError.will_repeat`` carries that decision here.
     """
     cfg = valid.cfg
     out_dir = Path(cfg.output_dir)
@@ -110,7 +127,7 @@ def _launch_with_restarts(valid: ValidRun) -> dict[str, Any]:
         try:
             return launch(fit, cfg.cluster.devices, valid)[0]
         except RankFailedError as err:
-            if attempt == cfg.trainer.max_restarts or err.message.startswith(_NOT_RESTARTED):
+            if attempt == cfg.trainer.max_restarts or err.will_repeat:
                 raise
             latest = latest_checkpoint(out_dir / "checkpoints")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
@@ -122,10 +139,6 @@ def _launch_with_restarts(valid: ValidRun) -> dict[str, Any]:
             with (out_dir / "restarts.log").open("a") as log_file:
                 log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
     raise AssertionError("unreachable")
-
-
-#: Failures a restart would only repeat.
-_NOT_RESTARTED = ("NonFiniteError", "ValueError")
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -142,25 +155,25 @@ def _check_writable(out_dir: Path) -> None:
         ) from None
 
 
-def _print_summary(result: dict[str, Any]) -> None:
+def _print_summary(result: RunResult) -> None:
     if not is_global_zero():
         return
-    floor = result.get("loss_floor")
+    floor = result.loss_floor
     lines = [
-        f"run directory : {result['output_dir']}",
-        f"layout        : {result['layout']}",
-        f"steps         : {result['steps']} in {result['wall_time_s']:.1f} s",
-        f"train/loss    : {result['train_loss']:.4f}",
-        f"val/loss      : {result['val_loss']:.4f}" if result.get("val_loss") is not None else "val/loss      : -",
+        f"run directory : {result.output_dir}",
+        f"layout        : {result.layout}",
+        f"steps         : {result.steps} in {result.wall_time_s:.1f} s",
+        f"train/loss    : {result.train_loss:.4f}",
+        f"val/loss      : {result.val_loss:.4f}" if result.val_loss is not None else "val/loss      : -",
     ]
     if floor is not None:
         lines.append(f"loss floor    : {floor:.4f} nats/token (entropy rate of the synthetic corpus)")
-    if result.get("checkpoint"):
-        lines.append(f"checkpoint    : {result['checkpoint']}")
-    if result.get("wandb_dir"):
-        lines.append(f"W&B run       : {result['wandb_dir']}  (upload later: wandb sync {result['wandb_dir']})")
-    if result.get("csv"):
-        lines.append(f"metrics.csv   : {result['csv']}")
+    if result.checkpoint:
+        lines.append(f"checkpoint    : {result.checkpoint}")
+    if result.wandb_dir:
+        lines.append(f"W&B run       : {result.wandb_dir}  (upload later: wandb sync {result.wandb_dir})")
+    if result.csv:
+        lines.append(f"metrics.csv   : {result.csv}")
     print("\n".join(lines), flush=True)
 
 

@@ -31,7 +31,7 @@ from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
 from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import ParallelOptions, check_accumulation
 from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.guard import allow_step
@@ -164,13 +164,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         name = type(self).__name__
-        if trainer.accumulate_grad_batches != 1 and self.parallel_dims.pp_enabled:
-            accumulate = trainer.accumulate_grad_batches
-            raise ValueError(
-                f"accumulate_grad_batches={accumulate} with pp={self.parallel_dims.pp}: a pipeline accumulates over "
-                f"its microbatches; give the loader {accumulate}x larger batches and microbatches={accumulate} x "
-                "what you had instead."
-            )
+        check_accumulation(trainer.accumulate_grad_batches, self.parallel_dims.pp)
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: {name} clips by the "
@@ -223,9 +217,9 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
             )  # fmt: skip
             self._layout = self._pipeline.layout
             return
-        applied = parallelize(module, dims, options, tp_plan=tp_plan, fsdp_units=declared_blocks(module),
-                              param_dtype=param_dtype)  # fmt: skip
-        self._layout = RankLayout.of(dims, self.global_rank, applied=applied)
+        done = parallelize(module, dims, options, tp_plan=tp_plan, fsdp_units=declared_blocks(module),
+                           param_dtype=param_dtype)  # fmt: skip
+        self._layout = RankLayout.of(dims, self.global_rank, tp_styles=done.tp_styles, fsdp_units=done.fsdp_units)
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only
 
@@ -282,12 +276,26 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
-            return super().training_step(*args, **kwargs)
+            if self._pipeline is None:
+                return super().training_step(*args, **kwargs)
+            with self.precision_plugin.train_step_context():
+                return self._pipeline.routed.training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
-            return super().validation_step(*args, **kwargs)
+            if self._pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            with self.precision_plugin.val_step_context():
+                return self._pipeline.routed.validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context():
+            if self._pipeline is None:
+                return super().test_step(*args, **kwargs)
+            with self.precision_plugin.test_step_context():
+                return self._pipeline.routed.test_step(*args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

@@ -2,14 +2,17 @@
 
 :class:`~lightning_dist.strategies.mesh.MeshStrategy` builds one when ``pp > 1``. Each rank builds only its own
 stages (the model comes from the meta device and only the kept blocks are materialized), parallelizes each stage
-with :func:`lightning_dist.parallel.compose.parallelize` like a whole model, and replaces the module's
-``compute_loss`` with a call to the schedule: forward and backward of every microbatch run inside the training step,
+with :func:`lightning_dist.parallel.compose.parallelize` like a whole model, and runs the module's step hooks on a
+view of it whose ``compute_loss`` calls the schedule (:attr:`PipelineStages.routed`; the user's instance is left as
+it is): forward and backward of every microbatch run inside the training step,
 the loss (mean over microbatches) is broadcast from the loss stage so every rank logs the true loss, and the
 strategy's backward only hands the schedule's gradients back. Validation runs the schedule's forward-only path.
 """
 
 from __future__ import annotations
 
+import functools
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -150,9 +153,23 @@ class PipelineStages:
             spec.blocks_attr else key for key in blocks) for blocks in stage_blocks), tp_styles=tp_styles,
             fsdp_units=tuple(fsdp_units),
         )  # fmt: skip
-        # The module's own training_step / validation_step call compute_loss: route it through the schedule.
-        module.compute_loss = runner.compute_loss
         return runner
+
+    @functools.cached_property
+    def routed(self) -> pl.LightningModule:
+        """The module as its step hooks see it under the pipeline: ``self.compute_loss(batch)`` runs the schedule.
+
+        A second handle on the same object state (its ``__dict__`` is shared, so logging, metrics and attributes set
+        in a step are the module's own) whose class adds only ``compute_loss``; the user's instance and class are
+        left as they are. The strategy calls the module's ``training_step`` / ``validation_step`` on it.
+        """
+        cls = type(self.module)
+        run_schedule = self.compute_loss
+        members = {"compute_loss": lambda _self, batch: run_schedule(batch), "__qualname__": cls.__qualname__}
+        routed_cls = type(cls.__name__, (cls,), {**members, "__module__": cls.__module__})
+        view = routed_cls.__new__(routed_cls)
+        object.__setattr__(view, "__dict__", self.module.__dict__)
+        return view
 
     def compute_loss(self, batch: Any) -> Tensor:
         """Run the schedule on ``batch``; return the mean microbatch loss, the same on every pipeline rank."""
@@ -192,13 +209,21 @@ class PipelineStages:
 
     @contextmanager
     def _stage_contract(self) -> Iterator[None]:
-        """Name the stage contract when a model's forward trips over a part this stage does not hold (``None``)."""
+        """Name the stage contract when the model's own forward fails on a stage that holds only part of it.
+
+        Decided by where the error was raised (a frame of the model's ``forward`` or of ``stage_forward``, i.e. the
+        user's code run on a partial model), not by its text; errors of torch's schedule pass unchanged.
+        """
         try:
             yield
         except (TypeError, AttributeError) as err:
-            if "NoneType" not in str(err):
+            model_cls = type(self.spec.model(self.module))
+            forwards = {model_cls.forward.__code__}
+            if self.spec.stage_forward is not None and hasattr(self.spec.stage_forward, "__code__"):
+                forwards.add(self.spec.stage_forward.__code__)
+            if not any(frame.f_code in forwards for frame, _ in traceback.walk_tb(err.__traceback__)):
                 raise
-            model = type(self.spec.model(self.module)).__name__
+            model = model_cls.__name__
             raise ValueError(
                 f"{model}.forward failed on pipeline stage(s) {self.stage_ids}, which hold only part of the model "
                 f"({type(err).__name__}: {err}); a stage's forward must take the previous stage's output, skip the "

@@ -18,15 +18,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.parallel_dims import REPORTED_AXES
+
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
-AXES = ("dp", "dp_shard", "dp_replicate", "tp", "pp")
+AXES = REPORTED_AXES  # comm/<axis>/ms as the telemetry logs it
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Store what the report needs (JSON-safe parts of the run's summary) as ``report.json``."""
     keep = ("output_dir", "layout", "steps", "train_loss", "val_loss", "loss_floor", "history", "wall_time_s",
-            "ranks", "prediction", "hardware")  # fmt: skip
+            "ranks", "rank_layouts", "prediction", "hardware")  # fmt: skip
     path = Path(run_dir) / REPORT_JSON
     path.write_text(json.dumps({k: summary[k] for k in keep if k in summary}, indent=1, default=str) + "\n")
     return path

@@ -6,6 +6,7 @@ Kept free of Lightning so that it can be unit-tested without a Trainer.
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
 
 import torch
@@ -105,8 +106,6 @@ def resident_memory_bytes() -> int:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 

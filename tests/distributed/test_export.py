@@ -10,9 +10,9 @@ from helpers import FAST, compose_config, run_app
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_dist.checkpoint.export import main as export_main
-from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
+from lightning_dist.models.optim import OptimConfig
 
 transformers = pytest.importorskip("transformers")
 MODEL = ["model.n_layers=2", "model.n_kv_heads=2", "trainer.enable_checkpointing=true"]

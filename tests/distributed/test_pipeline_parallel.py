@@ -76,7 +76,21 @@ def test_multi_stage_schedules_match_one_process(schedule: str, reference_4l: di
     ids=["pp2xfsdp2", "pp2xtp2"],
 )
 def test_pipeline_composes_with_fsdp_and_tp(layout: list[str], reference: dict, tmp_path: Path) -> None:
-    assert_same_run(run_app([*FAST, *layout, "parallelism.microbatches=2"], tmp_path), reference)
+    result = run_app([*FAST, *layout, "parallelism.microbatches=2"], tmp_path)
+    assert_same_run(result, reference)
+    # strategy.describe(all_ranks=True), as the app keeps it: which stage, blocks, TP styles and FSDP2 units each
+    # rank holds (the 2-block GPT: one block per stage).
+    tp = "parallelism=3d" in layout
+    held = result["rank_layouts"]
+    assert [rank["rank"] for rank in held] == [0, 1, 2, 3]
+    for rank in held:
+        stage = rank["coordinates"]["pp"]
+        assert (rank["stages"], rank["blocks"]) == ([stage], [[f"layers.{stage}"]])
+        styles = rank["tp_styles"]
+        assert styles.get(f"model.layers.{stage}.attn.q_proj") == ("ColwiseParallel" if tp else None)
+        assert f"model.layers.{1 - stage}.attn.q_proj" not in styles  # the other stage's block is not here
+        units = rank["fsdp_units"]
+        assert units == [] if tp else f"stage {stage}: model.layers.{stage}" in units
 
 
 def test_tied_embedding_and_head_on_different_stages_match_one_process(tmp_path: Path) -> None:

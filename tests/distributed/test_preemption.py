@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from helpers import FAST, losses, run_app
 
+from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_dist.checkpoint.store import latest_checkpoint
-from lightning_dist.run.launch import PREEMPTED_EXIT_CODE
 
 STEPS = 24
 RUN = [*FAST, "parallelism=fsdp", f"trainer.max_steps={STEPS}", "logger=csv", "optim.warmup_steps=5"]

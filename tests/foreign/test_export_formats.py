@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_dist.checkpoint.export import main as export_main
-from lightning_dist.config.schema import OptimConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
+from lightning_dist.models.optim import OptimConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -201,12 +201,15 @@ def _two_ranks() -> dict[str, Any]:
         "skips_compute_loss": _fit(SkipsComputeLoss(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _loader()),
         "lightning_example_tp": _fit(LightningExample(), TensorParallelStrategy(tp=2), 2, _loader()),
         "tied_tp": _fit(TiedLM(), TensorParallelStrategy(tp=2, plan=tied_plan), 2, _token_loader()),
-        "tied_pp": _fit(TiedLM(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _token_loader()),
         "configure_model_pp": _fit(
             BuiltInConfigureModel(), PipelineParallelStrategy(pp=2, microbatches=2), 2, _loader()
         ),
         "conv1d": _fit(WithConv1D(), TensorParallelStrategy(tp=2, plan={"c_fc": "colwise"}), 2, _loader()),
     }
+    pp_module = TiedLM()
+    results["tied_pp"] = _fit(pp_module, PipelineParallelStrategy(pp=2, microbatches=2), 2, _token_loader())
+    # The pipeline routes the module's compute_loss through the schedule without touching the instance or its class.
+    results["pp_instance_untouched"] = "compute_loss" not in vars(pp_module) and type(pp_module) is TiedLM
     module = TiedLM()
     results["tied_fsdp"] = _fit(module, MeshStrategy(dp_shard=2), 2, _token_loader(BATCH // 2))
     results["tied_fsdp_still_tied"] = module.net.head.weight is module.net.embed.weight
@@ -249,6 +252,7 @@ def test_a_tie_tensor_parallelism_cannot_keep_is_an_error(two_ranks: list[dict[s
 def test_a_tie_across_pipeline_stages_trains_as_one_parameter(two_ranks, one_process) -> None:
     for rank in two_ranks:  # embedding on stage 0, head on stage 1: gradients summed over the two, norm counted once
         assert_same_run(rank["tied_pp"], one_process["tied"])
+        assert rank["pp_instance_untouched"]
 
 
 def test_a_tie_stays_one_parameter_under_fsdp2(two_ranks, one_process) -> None:
