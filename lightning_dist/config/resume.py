@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
 from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_sources
 from lightning_dist.config.build import build_module
@@ -39,6 +40,8 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
         raise ValueError(f"ckpt_path={ckpt_path} does not exist; give a checkpoint file or folder.")
     if ckpt_path is not None:
         check_loadable(Path(ckpt_path))
+        label = f"ckpt_path={ckpt_path}" if cfg.ckpt_path not in (None, "last") else f"checkpoint {ckpt_path}"
+        _check_ckpt_fits(cfg, Path(ckpt_path), label)
     elif cfg.init_from is not None:
         _check_init_from(cfg)
     return output_dir, ckpt_path
@@ -85,10 +88,26 @@ def _check_init_from(cfg: TrainConfig) -> None:
             "folder (.metadata); export a checkpoint with lightning-dist-export, or give its checkpoints/step-N folder."
         )
     if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # names and shapes, on the meta device: nothing allocated
-        with torch.device("meta"):
-            module = build_module(cfg)
-            module.configure_model()
+        module = _on_meta(cfg)
         weight_sources(path, module, module.state_dict())
+
+
+def _check_ckpt_fits(cfg: TrainConfig, path: Path, label: str) -> None:
+    """The checkpoint a run continues from (a single file or a sharded folder) holds exactly this model's tensors, of
+    its shapes: checked for the built-in GPT and model=hf on the meta device (nothing allocated); a user's own module
+    is checked by the strategy as it loads."""
+    if isinstance(cfg.model, (GPTConfig, HFModelConfig)):
+        fields = "model.n_layers, model.d_model, ..." if isinstance(cfg.model, GPTConfig) else "model.config"
+        fix = f"set the model config the checkpoint was trained with ({fields})"
+        check_fits(label, checkpoint_shapes(path), ModelNames.of(_on_meta(cfg)).shapes, fix)
+
+
+def _on_meta(cfg: TrainConfig) -> torch.nn.Module:
+    """The run's LightningModule with its model built on the meta device."""
+    with torch.device("meta"):
+        module = build_module(cfg)
+        module.configure_model()
+    return module
 
 
 def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:

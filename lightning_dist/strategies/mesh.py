@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_dist import _compat
+from lightning_dist.checkpoint import full
 from lightning_dist.checkpoint import store as checkpoint_io
 from lightning_dist.contract import declared_blocks, module_hook
 from lightning_dist.parallel.clip import clip_grad_norm_
@@ -54,7 +55,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     :class:`~lightning_dist.contract.ParallelModule`). A module whose ``configure_model`` already made DTensor
     parameters (hand-written ``parallelize_module`` / ``fully_shard`` on ``self.device_mesh``) is left as it is.
     Gradients are clipped by the norm over every axis and logged as ``train/grad_norm``. Checkpoints are sharded
-    (``torch.distributed.checkpoint``) and resume exactly.
+    (``torch.distributed.checkpoint``) and resume exactly under any layout, as does one process's single file.
 
     Args:
         dp_replicate: Replica degree (HSDP when ``dp_shard > 1`` too); ``-1`` = the rest of the world size.
@@ -94,6 +95,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         self._parallelized = False
         self._clip_val: float | None = None
         self._checkpoint_group: Any = None
+        self._names: full.ModelNames | None = None  # the unsplit module's names and shapes (single-file loads)
+        self._single_file = False  # the checkpoint being restored is one file (its optimizer restored by Lightning)
 
     # --------------------------------------------------------------------------------------------------- layout
     @property
@@ -184,6 +187,7 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
         # DTensor does not support inference tensors: validation runs under no_grad instead of inference_mode.
         _compat.disable_inference_mode(trainer)
         if not self._parallelized:
+            self._names = full.ModelNames.of(self.lightning_module)
             self.parallelize_module(self.lightning_module)
             self._parallelized = True
             # Once, at start-up: every rank's layout for describe(all_ranks=True) (a small object per rank).
@@ -254,16 +258,40 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint folder into this layout (see :func:`lightning_dist.checkpoint.store.load_sharded`).
+        """Read a checkpoint of any layout into this one, once its names and shapes are checked against the module's.
 
-        Lightning's own loader only accepts models with DTensor parameters; a pipeline stage without TP or FSDP has
-        plain tensors, and each rank holds only its stages' parameters.
+        A sharded folder is loaded here (:func:`lightning_dist.checkpoint.store.load_sharded`); a single file (one
+        process's) is mapped and returned whole, for :meth:`load_model_state_dict` / :meth:`load_optimizer_state_dict`
+        (:mod:`lightning_dist.checkpoint.full`). Lightning's own loader needs DTensor parameters and one model on
+        every rank; pipeline ranks hold different parameters, plain tensors without TP or FSDP.
+
+        Raises:
+            ValueError: A tensor is missing, unexpected or of another shape (one line naming it).
         """
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)  # a full (single-file) checkpoint
         strict = self.lightning_module.strict_loading
+        self._single_file = not path.is_dir()
+        if self._single_file:
+            checkpoint = full.read(path, weights_only)
+            full.check_module_fits(path, full.shapes_of(checkpoint, path), self._names, strict)
+            return checkpoint
+        full.check_module_fits(path, full.checkpoint_shapes(path), self._names, strict)
         return checkpoint_io.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return self._single_file  # a sharded folder's optimizer state was loaded in load_checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._single_file:
+            full.load_model(self.model, checkpoint[full.MODEL_KEY], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        strict = self.lightning_module.strict_loading
+        full.load_optimizers(self.model, self.optimizers, checkpoint["optimizer_states"], self._names, strict=strict)
 
     # ------------------------------------------------------------------------------------------------- training
     @contextmanager
