@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,12 @@ from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
 _PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; DCP flattens nested keys with dots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: What an exported folder takes from the HuggingFace folder the run started from (those of them it holds).
+HF_EXTRA_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)  # fmt: skip
 
 
 class Checkpoint:
@@ -109,7 +117,9 @@ def export_hf(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None, max
     """Write a HuggingFace model folder: ``config.json`` and safetensors shards (with their index when several).
 
     The built-in GPT becomes ``LlamaForCausalLM`` (``arch=llama``) or ``GPT2LMHeadModel``; an :class:`HFCausalLM`
-    gets its own class and config back.
+    gets its own class and config back. A run that started from a HuggingFace folder (``model.pretrained`` /
+    ``init_from``, kept as ``hf_source`` in the checkpoint) gets that folder's tokenizer and generation config too,
+    so ``AutoTokenizer`` / ``generate`` work on the export as on the original.
 
     Raises:
         ValueError: The checkpoint's module is neither (a user's own LightningModule: use the single file).
@@ -138,7 +148,25 @@ def export_hf(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None, max
     if dtype is not None:
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    source = ckpt.hyper_parameters.get("hf_source")
+    if source:
+        copy_tokenizer_files(Path(source), out)
     return out
+
+
+def copy_tokenizer_files(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files and ``generation_config.json`` the HuggingFace folder ``source`` holds (the folder
+    the run started from) into ``out``; returns the names copied. A folder no longer there is a warning only."""
+    if not source.is_dir():
+        warnings.warn(f"the run started from {source}, which is gone: no tokenizer copied next to the weights; copy "
+                      "its tokenizer files into the exported folder yourself.", stacklevel=2)  # fmt: skip
+        return []
+    copied = []
+    for name in HF_EXTRA_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)  # follows the HuggingFace cache's links to the blobs
+            copied.append(name)
+    return copied
 
 
 def _hf_plan(ckpt: Checkpoint) -> tuple[dict[str, Any], list[Any]]:

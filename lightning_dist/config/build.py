@@ -8,11 +8,14 @@ LightningDataModule, built by Hydra), or an :class:`~lightning_dist.config.schem
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from lightning_dist import _compat
+from lightning_dist.checkpoint.weights import is_hf_folder
+from lightning_dist.config.pretrained import pretrained_folder
 from lightning_dist.config.schema import HFModelConfig, TrainConfig
 from lightning_dist.data import TokenDataModule
 from lightning_dist.data.config import DataConfig
@@ -32,14 +35,15 @@ def num_blocks(model: Any) -> int | None:
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:
     """The LightningModule of the run (built on every rank after seeding, so every rank starts from the same one)."""
-    model = cfg.model
+    model, source = cfg.model, hf_source(cfg)
     if isinstance(model, GPTConfig):
-        return GPTModule(model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed)
+        return GPTModule(model, cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed, hf_source=source)
     if isinstance(model, HFModelConfig):
-        from transformers import AutoModelForCausalLM
-
-        lm = AutoModelForCausalLM.from_config(hf_config(model))
-        return HFCausalLM(lm, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        # Built in configure_model (on the meta device under our layouts); every weight is read after it when the
+        # run starts from weights (init_from, which model.pretrained sets) or continues from a checkpoint.
+        loaded = cfg.init_from is not None or cfg.ckpt_path is not None
+        return HFCausalLM(hf_config(model), cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed,
+                          random_init=not loaded, hf_source=source)  # fmt: skip
     module = model.build()
     if not isinstance(module, pl.LightningModule):
         raise ValueError(
@@ -47,6 +51,15 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
             "your LightningModule class."
         )
     return module
+
+
+def hf_source(cfg: TrainConfig) -> str | None:
+    """The HuggingFace folder the run's weights come from (``init_from`` / ``model.pretrained``), else ``None``."""
+    if cfg.init_from is not None and is_hf_folder(Path(cfg.init_from)):
+        return str(Path(cfg.init_from).expanduser().resolve())
+    if isinstance(cfg.model, HFModelConfig) and cfg.model.pretrained is not None:
+        return str(pretrained_folder(cfg.model.pretrained))
+    return None
 
 
 def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
@@ -63,21 +76,25 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
 
 
 def hf_config(model: HFModelConfig) -> Any:
-    """The transformers config of ``model=hf``: a built-in tiny one, or read from a local path (never downloaded)."""
+    """The transformers config of ``model=hf``: ``model.config`` (a built-in tiny one, or read from a local path),
+    else the pretrained folder's, else ``tiny_llama``. Never downloaded."""
     try:
         import transformers
     except ImportError:
         raise ValueError("model=hf needs transformers; pip install 'lightning-dist[hf]'.") from None
 
-    if model.config in TINY_CONFIGS:
-        class_name, kwargs = TINY_CONFIGS[model.config]
+    name = model.config if model.config is not None or model.pretrained is not None else "tiny_llama"
+    if name in TINY_CONFIGS:
+        class_name, kwargs = TINY_CONFIGS[name]
         config = getattr(transformers, class_name)(**kwargs)
+    elif name is None:
+        config = transformers.AutoConfig.from_pretrained(pretrained_folder(model.pretrained), local_files_only=True)
     else:
         try:
-            config = transformers.AutoConfig.from_pretrained(model.config, local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
         except OSError as err:
             raise ValueError(
-                f"model.config={model.config!r} is neither a built-in tiny config ({', '.join(TINY_CONFIGS)}) nor a "
+                f"model.config={name!r} is neither a built-in tiny config ({', '.join(TINY_CONFIGS)}) nor a "
                 f"local transformers config ({str(err).splitlines()[0]}); give a directory holding config.json."
             ) from None
     _compat.set_attn_implementation(config, model.attn_implementation)

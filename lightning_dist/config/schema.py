@@ -254,12 +254,19 @@ class TargetConfig:
 
 @dataclass
 class HFModelConfig:
-    """A HuggingFace causal LM built from a config (nothing is downloaded): ``model=hf model.config=...``."""
+    """A HuggingFace causal LM (nothing is downloaded): built from a config (``model=hf model.config=...``), or
+    pretrained (``model=hf model.pretrained=<folder or hub id>``: its config, and its weights read slice by slice)."""
 
     kind: str = "hf"
     """Always hf."""
-    config: str = "tiny_llama"
-    """A built-in tiny config (tiny_llama, tiny_qwen2, tiny_mistral, tiny_gpt2) or a local directory / config.json."""
+    config: str | None = None
+    """A built-in tiny config (tiny_llama, tiny_qwen2, tiny_mistral, tiny_gpt2) or a local directory / config.json;
+    None = the pretrained folder's config.json, or tiny_llama without pretrained."""
+    pretrained: str | None = None
+    """Start from these weights: a local HuggingFace folder (config.json + *.safetensors) or a hub id
+    (meta-llama/Llama-3.1-8B) found in the local HuggingFace cache (HF_HUB_CACHE / HF_HOME; never downloaded). Each
+    rank reads only its slices once the layout is applied (as init_from does); ignored when the run continues from
+    a checkpoint."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation."""
 
@@ -290,7 +297,8 @@ class TrainConfig:
     """Continue a run in its own folder from its newest complete checkpoint: a run folder, or 'auto' (output_dir)."""
     init_from: str | None = None
     """Start a new run from these weights (a HuggingFace folder, or a checkpoint folder: weights only, a fresh
-    optimizer); ignored when the run continues from a checkpoint (resume / ckpt_path / restarts)."""
+    optimizer); ignored when the run continues from a checkpoint (resume / ckpt_path / restarts). model=hf
+    model.pretrained=<folder> sets it to that folder."""
     output_dir: str | None = None
     """Where logs, checkpoints and W&B files go; None = Hydra's run directory."""
 

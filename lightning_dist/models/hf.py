@@ -9,13 +9,16 @@ models laid out as ``model.embed_tokens / model.layers / model.norm / model.rota
   plan, ``Conv1D`` layers) gets its MLP sharded with Conv1D styles and its attention replicated;
 - pipeline parallelism through a stage forward that runs whatever part of the model a stage holds (embedding, its
   decoder layers with the rotary tables / positions and causal mask rebuilt locally, final norm, head), under the
-  model's own parameter names; a tied embedding and head on different stages train as one weight.
+  model's own parameter names; a tied embedding and head on different stages train as one weight;
+- meta-device construction from a config (``reset_parameters``: each rank initializes only what it holds, with the
+  one-process values, see ``hf_init.py``), and the run's optimizer config (AdamW, warmup + cosine).
 
 Needs the optional extra ``lightning-dist[hf]`` (transformers). No distributed code here: the strategies apply it.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_dist import _compat
+from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
 from lightning_dist.models.module import StepLoss
+from lightning_dist.models.optim import OptimConfig, warmup_cosine
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 #: transformers' tensor-parallel style names -> torch styles (outputs as plain tensors, full where HF gathers).
@@ -195,24 +200,72 @@ class HFCausalLM(pl.LightningModule):
 
         model = LlamaForCausalLM(LlamaConfig(...))
         Trainer(strategy=TensorParallelStrategy(tp=2), devices=2).fit(HFCausalLM(model), loader)
-        Trainer(strategy=PipelineParallelStrategy(pp=2), devices=2).fit(HFCausalLM(model), loader)
+        # From a config: built on the meta device, each rank materializes only its shards / stages.
+        Trainer(strategy=PipelineParallelStrategy(pp=2), devices=2).fit(HFCausalLM(LlamaConfig(...)), loader)
+        # Pretrained: each rank reads its slices of the safetensors once the layout is applied.
+        Trainer(..., callbacks=[InitWeights(folder)]).fit(HFCausalLM(AutoConfig.from_pretrained(folder),
+                                                                     random_init=False, hf_source=folder), loader)
 
     Args:
         model: A ``transformers`` causal LM laid out as ``model.embed_tokens / model.layers / model.norm /
-            model.rotary_emb / lm_head`` (Llama, Qwen2, Mistral, ...), or GPT-2.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
+            model.rotary_emb / lm_head`` (Llama, Qwen2, Mistral, ...), or GPT-2; its values are kept (a model on the
+            meta device is initialized by :meth:`reset_parameters`). Or its config: the model is then built in
+            ``configure_model`` (on the meta device under our strategies, see :meth:`reset_parameters`).
+        optim: AdamW + warmup / cosine schedule, weight decay on matrices only (default ``OptimConfig()``).
+        max_steps: Length of the schedule; ``None`` = ``optim.decay_steps``, else the trainer's ``max_steps``.
+        lr: Overrides ``optim.lr``.
+        weight_decay: Overrides ``optim.weight_decay``.
+        init_seed: Seed of the per-parameter initialization (the same values on every layout).
+        random_init: ``False`` when every weight is read right after materializing (a pretrained folder through
+            ``InitWeights``, a checkpoint): :meth:`reset_parameters` then only zeroes them instead of drawing them.
+        hf_source: The HuggingFace folder the weights come from, kept in the checkpoint so ``lightning-dist-export``
+            copies its tokenizer and generation config next to the exported weights.
     """
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module | Any,
+        optim: OptimConfig | None = None,
+        max_steps: int | None = None,
+        *,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        init_seed: int = 0,
+        random_init: bool = True,
+        hf_source: str | None = None,
+    ) -> None:
         super().__init__()
-        self.model = model
-        self.lr = lr
-        self.weight_decay = weight_decay
+        given = {"lr": lr, "weight_decay": weight_decay}
+        self.optim_config = replace(optim or OptimConfig(), **{k: v for k, v in given.items() if v is not None})
+        self.max_steps = max_steps
+        self.init_seed = init_seed
+        self.random_init = random_init
+        built = isinstance(model, nn.Module)
+        self.hf_model_config = model.config if built else model
+        self.model: nn.Module | None = model if built else None
         # The checkpoint names its model: lightning-dist-export writes the HuggingFace folder back from these.
-        config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
-        self.save_hyperparameters({"hf_config": config, "lr": lr, "weight_decay": weight_decay}, logger=False)
+        architecture = type(model) if built else causal_lm_class(model)
+        config = {**self.hf_model_config.to_dict(), "architectures": [architecture.__name__]}
+        hparams = {"hf_config": config, "optim": asdict(self.optim_config), "max_steps": max_steps}
+        self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams, logger=False)
         self.step_loss = StepLoss()
+
+    def configure_model(self) -> None:
+        """Build the model from its config on the meta device; outside our strategies' meta context (one device,
+        Lightning's DDP) allocate it here and initialize it as :meth:`reset_parameters` does."""
+        if self.model is not None:
+            return
+        self.model = build_causal_lm(self.hf_model_config)
+        device = torch.get_default_device()  # the strategy's init context: meta under our mesh layouts
+        if device.type != "meta":
+            self.model.to_empty(device=device)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize what this rank holds after a strategy materialized it from the meta device: every parameter
+        its one-process value (seeded by its name, see :func:`~lightning_dist.models.hf_init.init_causal_lm`), or
+        zeros when ``random_init=False`` (the weights are read next); the rotary tables computed again."""
+        init_causal_lm(self.model, self.init_seed, random=self.random_init)
 
     def compute_loss(self, batch: Any) -> Tensor:
         inputs, targets = split_causal_batch(batch)
@@ -223,13 +276,35 @@ class HFCausalLM(pl.LightningModule):
         step_loss = self.step_loss.update(loss, self.trainer)
         if step_loss is not None:  # the optimizer step's loss, every micro batch in
             self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self.compute_loss(batch), sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW and the warmup / cosine schedule of ``optim`` (as the built-in GPT): weight decay on matrices only,
+        not on norms, biases or embeddings (nor on a head tied to the embedding, on a stage that holds only it)."""
+        cfg = self.optim_config
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        tied_head = getattr(self.hf_model_config, "tie_word_embeddings", False)
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            embedding = id(param) in embeddings or (tied_head and name.endswith("lm_head.weight"))
+            (decay if param.ndim >= 2 and not embedding else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            foreach=True,
+        )
+        length = cfg.decay_steps or self.max_steps or self.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, length) if length > 0 else
+                                                      _warmup_only(cfg))  # fmt: skip
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
@@ -257,6 +332,11 @@ class HFCausalLM(pl.LightningModule):
             f"nor like GPT-2 ({', '.join(_GPT2_PARTS)}); pipeline it with your own LightningModule and "
             "pipeline_spec() (see lightning_dist.PipelineSpec)."
         )
+
+
+def _warmup_only(cfg: OptimConfig) -> Any:
+    """LR multiplier of a run of unknown length (by epochs): linear warmup, then the peak rate."""
+    return lambda step: min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
 
 def _has_path(model: nn.Module, path: str) -> bool:

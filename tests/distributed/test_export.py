@@ -84,6 +84,7 @@ def test_an_hf_model_starts_from_its_folder_under_a_pipeline(tmp_path: Path) -> 
 
     cfg = compose_config(HF)
     module = build_module(cfg)
+    module.configure_model()  # the HF model is built here, as the built-in GPT is
     with torch.no_grad():
         for param in module.parameters():
             param.add_(0.05 * torch.randn_like(param))  # not what the run would initialize
