@@ -119,3 +119,49 @@ def assert_planned(result: dict[str, Any]) -> None:
             assert predicted == (measured or {}), f"{kind}: planned {predicted}, measured {measured}"
     predicted, measured = prediction["parameters + optimizer state GiB, largest rank"]
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+#: A chat template for :func:`make_tiny_tokenizer`: ``<|role|>content<|end|>`` per message.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_tokenizer(
+    folder: Path, vocab_texts: list[str], vocab_size: int = 300, chat_template: str | None = TINY_CHAT_TEMPLATE
+) -> Path:
+    """A byte-level BPE tokenizer trained offline on ``vocab_texts`` (at most ``vocab_size`` tokens, EOS
+    ``<|endoftext|>``; with ``chat_template``, also ``<|user|>``, ``<|assistant|>``, ``<|system|>``, ``<|end|>``),
+    saved to ``folder`` as a HuggingFace tokenizer folder (``AutoTokenizer.from_pretrained(folder)``). Returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>"] + (["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"] if chat_template else [])
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(vocab_texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(folder))
+    return Path(folder)
+
+
+def write_instruction_jsonl(path: Path, n: int, prompt_field: str = "prompt", response_field: str = "response") -> Path:
+    """``n`` prompt / response records as JSON lines (record ``i`` asks for ``i + i``). Returns ``path``."""
+    import json
+
+    lines = [
+        json.dumps({prompt_field: f"question {i}: what is {i} plus {i}?", response_field: f" the answer is {2 * i}."})
+        for i in range(n)
+    ]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)

@@ -32,7 +32,7 @@ def test_every_group_has_options() -> None:
     assert set(GROUPS["model"]) - set(GPT_MODELS) == {"custom", "hf"}
     assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
     assert BUILTIN_DATA == ["synthetic", "text", "tokens"]
-    assert set(GROUPS["data"]) - set(BUILTIN_DATA) == {"custom"}
+    assert set(GROUPS["data"]) - set(BUILTIN_DATA) == {"custom", "hf"}
     assert GROUPS["cluster"] == ["gpu", "local_cpu", "node_8gpu", "slurm"]
 
 

@@ -1,3 +1,9 @@
 """Lightning callbacks that keep a long run safe, for the app and for your own ``Trainer``: periodic, published
 checkpoints (:class:`RunCheckpoints`), preemption signals (:class:`Preemption`) and hang detection
 (:class:`Heartbeat`)."""
+
+from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
+from lightning_dist.callbacks.heartbeat import Heartbeat
+from lightning_dist.callbacks.preemption import Preemption
+
+__all__ = ["Heartbeat", "InitWeights", "Preemption", "RunCheckpoints"]

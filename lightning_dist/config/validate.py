@@ -18,10 +18,12 @@ from hydra.utils import get_class
 
 from lightning_dist.config import environment
 from lightning_dist.config.build import num_blocks, vocab_and_length
+from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.resume import resolve_start
-from lightning_dist.config.schema import ParallelismConfig, TargetConfig, TrainConfig
+from lightning_dist.config.schema import HFModelConfig, ParallelismConfig, TargetConfig, TrainConfig
 from lightning_dist.data import TokenDataModule
 from lightning_dist.data.config import DataConfig, validate_data_config
+from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_parallel import check_tensor_parallel
 from lightning_dist.parallel.options import ParallelOptions, check_accumulation
@@ -67,7 +69,8 @@ class ValidRun:
 def validate(cfg: TrainConfig) -> ValidRun:
     """Check ``cfg`` and return its resolved copy with its layout and options; ``cfg`` itself is not changed.
 
-    Resolved: ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
+    Resolved: ``model.pretrained`` (a hub id into its cached folder, which ``init_from`` then names),
+    ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
     an external restart into ``output_dir`` and ``ckpt_path``, and how each rank's batch is split
     (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.microbatches``).
 
@@ -77,6 +80,7 @@ def validate(cfg: TrainConfig) -> ValidRun:
     cfg = copy.deepcopy(cfg)
     par, cluster, trainer = cfg.parallelism, cfg.cluster, cfg.trainer
     _check_run_fields(cfg)
+    resolve_pretrained(cfg)  # model.pretrained -> its local folder, which the run starts from (init_from)
     cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
     cfg.resume = None
     if par.strategy not in _CANNOT_DO:
@@ -234,7 +238,10 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
     per_rank_batch = TokenDataModule.per_rank_batch_size(data.global_batch_size, dims.dp_size)
-    if vocab is not None and data.vocab_size > vocab:
+    if data.kind == "hf":
+        validate_data_config(data)
+        _check_tokenizer(cfg, vocab)
+    elif vocab is not None and data.vocab_size > vocab:
         raise ValueError(
             f"data.vocab_size={data.vocab_size} exceeds the model's vocabulary of {vocab}; "
             f"set model.vocab_size>={data.vocab_size} (or use a model with a larger vocabulary)."
@@ -246,7 +253,9 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
         )
     validate_data_config(data)
     datamodule = TokenDataModule(data, seed=cfg.seed)
-    datamodule.setup()  # missing / empty / binary-as-text files fail here, before any rank starts
+    # Missing / empty / binary-as-text files fail here, before any rank starts; data=hf is tokenized and cached here,
+    # once, so the ranks only open the cache.
+    datamodule.setup()
     if data.kind == "tokens":
         for split in ("train", "val"):
             dataset = datamodule.dataset(split)
@@ -257,6 +266,27 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
                     f"data.vocab_size (and model.vocab_size) above {largest}, or check data.token_dtype."
                 )
     return per_rank_batch
+
+
+def _check_tokenizer(cfg: TrainConfig, vocab: int | None) -> None:
+    """data=hf: ``data.tokenizer`` null = the model's own folder (``model.pretrained``, ``init_from`` or a
+    ``model.config`` folder, the first that holds a tokenizer); its vocabulary must fit the model's."""
+    data, model = cfg.data, cfg.model
+    if data.tokenizer is None:
+        hf = isinstance(model, HFModelConfig)
+        folders = [model.pretrained, cfg.init_from, model.config] if hf else [cfg.init_from]
+        data.tokenizer = next((str(folder) for folder in folders if holds_tokenizer(folder)), None)
+    if data.tokenizer is None:
+        raise ValueError(
+            "data.tokenizer=null and the model has no folder with a tokenizer (model.pretrained / init_from / "
+            "model.config); pass data.tokenizer=<the folder of the model's tokenizer>"
+        )
+    size = len(load_tokenizer(data.tokenizer))
+    if vocab is not None and size > vocab:
+        raise ValueError(
+            f"data.tokenizer={data.tokenizer!r} has {size} tokens, more than the model's vocabulary of {vocab}; use "
+            f"the model's own tokenizer, or a model with a vocabulary of at least {size} (model.vocab_size)"
+        )
 
 
 @dataclass(frozen=True)

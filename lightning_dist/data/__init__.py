@@ -1,4 +1,5 @@
-"""Data pipeline: synthetic Markov chain, byte-level text and token files, sharded by data-parallel rank."""
+"""Data pipeline: synthetic Markov chain, byte-level text, token files and your own text with the model's tokenizer
+(data=hf), sharded by data-parallel rank."""
 
 from __future__ import annotations
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("synthetic", "text", "tokens")
+KINDS = ("synthetic", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
+#: data=hf: documents (text), prompt / response records (instruction), or conversations (chat).
+HF_FORMATS = ("text", "instruction", "chat")
+#: data=hf, .txt files: what one document is (the ``sample_by`` of the datasets library's text loader).
+SAMPLE_BY = ("document", "paragraph", "line")
 
 
 @dataclass
@@ -14,7 +18,8 @@ class DataConfig:
     """Hydra structured config selecting and sizing the training data."""
 
     kind: str = "synthetic"
-    """Data source: "synthetic" (seeded Markov chain), "text" (byte-level files) or "tokens" (nanoGPT .bin)."""
+    """Data source: "synthetic" (seeded Markov chain), "text" (byte-level files), "tokens" (nanoGPT .bin) or "hf"
+    (your text with the model's tokenizer, packed and cached)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all data-parallel ranks; the per-rank batch is derived."""
     micro_batch_size: int | None = None
@@ -24,11 +29,14 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per sample fed to the model; each sample holds seq_len+1 tokens, inputs = [:-1], targets = [1:]."""
     vocab_size: int = 256
-    """synthetic: alphabet size; text: ignored (fixed 256 byte-level); tokens: vocabulary of the .bin files."""
+    """synthetic: alphabet size; text: ignored (fixed 256 byte-level); tokens: vocabulary of the .bin files; hf:
+    ignored (the tokenizer's)."""
     path: str | None = None
-    """text: a file, a directory or a glob; tokens: a directory holding train.bin and val.bin."""
+    """text: a file, a directory or a glob; tokens: a directory holding train.bin and val.bin; hf: a file, a directory
+    or a glob of .txt, .jsonl / .json or .parquet files (one kind)."""
     val_fraction: float = 0.1
-    """text: fraction of the concatenated bytes, taken at the tail, used for validation."""
+    """text: fraction of the concatenated bytes, taken at the tail, used for validation; hf: fraction of the windows,
+    taken at the tail (ignored with data.val_path)."""
     token_dtype: str = "uint16"
     """tokens: element type of the .bin files, uint16 or uint32."""
     branching: int = 4
@@ -41,6 +49,29 @@ class DataConfig:
     """DataLoader worker processes per rank."""
     seed: int | None = None
     """Seed for data generation and shuffling; None = the run's seed."""
+    tokenizer: str | None = None
+    """hf: a local folder with the tokenizer's files; None = the model's own folder (model.pretrained, init_from or a
+    model.config folder, whichever holds a tokenizer)."""
+    format: str = "text"
+    """hf: text (documents), instruction (prompt / response records) or chat (a messages list, rendered with the
+    tokenizer's chat template when it has one); instruction and chat train on the response tokens only."""
+    text_field: str = "text"
+    """hf, format=text: the field of a .jsonl / .json / .parquet record that holds the document."""
+    prompt_field: str = "prompt"
+    """hf, format=instruction: the record's prompt field (no loss on its tokens)."""
+    response_field: str = "response"
+    """hf, format=instruction: the record's response field (the loss is on its tokens and the EOS after it)."""
+    messages_field: str = "messages"
+    """hf, format=chat: the record's list of {role, content}; the loss is on the assistant messages."""
+    sample_by: str = "document"
+    """hf, .txt files: one document per file (document), per blank-line-separated paragraph, or per line."""
+    val_path: str | None = None
+    """hf: a separate validation corpus (file, directory or glob); None = the last data.val_fraction of the windows."""
+    cache_dir: str | None = None
+    """hf: where the tokenized, packed windows are cached; None = $XDG_CACHE_HOME/lightning_dist/data
+    (~/.cache/lightning_dist/data). Multi-node: a folder every node sees."""
+    num_proc: int | None = None
+    """hf: processes that tokenize (datasets' map); None = min(8, CPU count)."""
 
 
 def validate_data_config(cfg: Any) -> None:
@@ -75,6 +106,8 @@ def validate_data_config(cfg: Any) -> None:
                 f"data.num_train_samples={cfg.num_train_samples} and data.num_val_samples={cfg.num_val_samples} "
                 "must be >= 1; pass positive sizes"
             )
+    if cfg.kind == "hf":
+        _validate_hf(cfg)
     if cfg.kind == "text" and not 0.0 < cfg.val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1); pass e.g. data.val_fraction=0.1")
     if cfg.kind == "tokens":
@@ -84,3 +117,23 @@ def validate_data_config(cfg: Any) -> None:
             )
         if cfg.vocab_size < 1:
             raise ValueError(f"data.vocab_size={cfg.vocab_size} must be >= 1; pass the tokenizer's vocabulary size")
+
+
+def _validate_hf(cfg: Any) -> None:
+    """data=hf's own fields (the files and the tokenizer are checked when the cache is built)."""
+    if cfg.path is None:
+        raise ValueError(
+            "data.path=null but data=hf needs it; pass a file, directory or glob of .txt / .jsonl / .json / .parquet "
+            "files (data.path=...)"
+        )
+    if cfg.format not in HF_FORMATS:
+        raise ValueError(f"data.format={cfg.format!r} is unknown; use one of {', '.join(HF_FORMATS)}")
+    if cfg.sample_by not in SAMPLE_BY:
+        raise ValueError(f"data.sample_by={cfg.sample_by!r} is unknown; use one of {', '.join(SAMPLE_BY)}")
+    if cfg.num_proc is not None and cfg.num_proc < 1:
+        raise ValueError(f"data.num_proc={cfg.num_proc} must be >= 1, or null for min(8, CPU count)")
+    if cfg.val_path is None and not 0.0 < cfg.val_fraction < 1.0:
+        raise ValueError(
+            f"data.val_fraction={cfg.val_fraction} must be in (0, 1); pass e.g. data.val_fraction=0.05, or a separate "
+            "corpus as data.val_path"
+        )

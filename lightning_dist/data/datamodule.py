@@ -11,6 +11,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.data.config import DataConfig, validate_data_config
 from lightning_dist.data.files import TextDataset, TokenDataset
+from lightning_dist.data.packed import build_cache, hf_datasets
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
 
 _BYTE_VOCAB = 256
@@ -90,8 +91,18 @@ class TokenDataModule(pl.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size the model must embed (256 for byte-level text)."""
+        """Vocabulary size the model must embed (256 for byte-level text, the tokenizer's for data=hf)."""
+        if self.cfg.kind == "hf":
+            return self.dataset("train").vocab_size
         return _BYTE_VOCAB if self.cfg.kind == "text" else int(self.cfg.vocab_size)
+
+    def prepare_data(self) -> None:
+        """data=hf: tokenize and cache the corpus if it is not cached yet. Lightning calls this on one process per
+        node before ``setup``, so the ranks only open the cache (the app has built it before launching them)."""
+        if self.cfg.kind == "hf":
+            build_cache(self.cfg, "data.path")
+            if self.cfg.val_path is not None:
+                build_cache(self.cfg, "data.val_path")
 
     def setup(self, stage: str | None = None) -> None:
         """Builds the train and val datasets once; later calls reuse them."""
@@ -107,6 +118,8 @@ class TokenDataModule(pl.LightningDataModule):
             }
         elif cfg.kind == "text":
             self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
+        elif cfg.kind == "hf":
+            self._datasets = dict(hf_datasets(cfg))
         else:
             self._datasets = {s: TokenDataset(cfg.path, s, cfg.seq_len, cfg.token_dtype) for s in ("train", "val")}
 

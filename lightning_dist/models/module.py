@@ -29,15 +29,20 @@ class GPTModule(pl.LightningModule):
         optim: AdamW + warmup/cosine schedule settings.
         max_steps: Length of the cosine schedule (the trainer's ``max_steps``).
         init_seed: Seed of the per-parameter initialization (the same on every layout).
+        hf_source: The HuggingFace folder the run starts from (``init_from``), kept in the checkpoint so
+            ``lightning-dist-export`` copies its tokenizer and generation config next to the exported weights.
     """
 
-    def __init__(self, model: GPTConfig, optim: OptimConfig, max_steps: int, init_seed: int = 0) -> None:
+    def __init__(
+        self, model: GPTConfig, optim: OptimConfig, max_steps: int, init_seed: int = 0, hf_source: str | None = None
+    ) -> None:
         super().__init__()
         self.model_config = model
         self.optim_config = optim
         self.max_steps = max_steps
         self.init_seed = init_seed
-        self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
+        hparams = {"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps}
+        self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams)
         self.model: GPT | None = None
         self.val_loss = MeanMetric()
         self.step_loss = StepLoss()
@@ -60,8 +65,9 @@ class GPTModule(pl.LightningModule):
 
     @staticmethod
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in float32. ``logits`` (B, T, V), ``targets`` (B, T)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        """Mean next-token cross-entropy in float32 over the targets that are not -100 (data=hf's prompt tokens).
+        ``logits`` (B, T, V), ``targets`` (B, T)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)
 
     def compute_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch

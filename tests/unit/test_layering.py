@@ -31,7 +31,8 @@ LAYERS: dict[str, int] = {
     "run": 8,  # entry points and the run's lifecycle
 }
 #: Optional dependencies a function may import locally (each such import says why in a comment on its line or above).
-OPTIONAL = ("transformers", "submitit", "matplotlib", "rich", "safetensors", "tokenizers", "datasets", "wandb")
+OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich", "safetensors", "tokenizers",
+            "datasets", "wandb")  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
