@@ -44,7 +44,7 @@ def test_every_group_has_options() -> None:
 def test_group_combinations_compose_with_typed_fields(model: str, parallelism: str, cluster: str) -> None:
     cfg = compose_config([f"model={model}", f"parallelism={parallelism}", f"cluster={cluster}"])
     assert isinstance(cfg.trainer.max_steps, int) and isinstance(cfg.model.d_model, int)
-    cfg.model.validate()
+    getattr(cfg.model, "validate", lambda: None)()  # the built-in GPT's shape rules (model=hf: its config's own)
     world = cfg.cluster.devices * cfg.cluster.num_nodes
     fixed = cfg.parallelism.tp * cfg.parallelism.pp
     if world % fixed:  # e.g. tp_fsdp (tp=2) on one GPU: must be refused with the numbers in the message
@@ -80,7 +80,7 @@ def test_custom_and_hf_models_compose_to_their_configs() -> None:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_compose(recipe: str) -> None:
     cfg = compose_config([f"recipe={recipe}"])
-    cfg.model.validate()
+    getattr(cfg.model, "validate", lambda: None)()  # the built-in GPT's shape rules (model=hf: its config's own)
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED_PARAMS))

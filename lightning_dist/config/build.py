@@ -101,6 +101,46 @@ def hf_config(model: HFModelConfig) -> Any:
     return config
 
 
+#: HuggingFace model types whose layout the built-in GPT's ``arch=llama`` has (the planner estimates them as it).
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+
+
+def planned_model(model: Any) -> GPTConfig:
+    """The built-in GPT shape the planner estimates ``model`` as: the GPT's own config, or a Llama-family
+    HuggingFace model's (``model=hf``: same parameters, activations and collectives per block).
+
+    Raises:
+        ValueError: A model the planner has no shape for (a user's module, a HuggingFace model of another family).
+    """
+    if isinstance(model, GPTConfig):
+        return model
+    if isinstance(model, HFModelConfig):
+        config = hf_config(model)
+        if config.model_type not in LLAMA_LIKE:
+            raise ValueError(
+                f"the planner models Llama-family HuggingFace models ({', '.join(LLAMA_LIKE)}); model.config is a "
+                f"{config.model_type!r}; plan with model=llama_8b-like GPT shapes instead."
+            )
+        heads = config.num_attention_heads
+        return GPTConfig(
+            arch="llama",
+            vocab_size=config.vocab_size,
+            n_layers=config.num_hidden_layers,
+            d_model=config.hidden_size,
+            n_heads=heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            ffn_hidden=config.intermediate_size,
+            max_seq_len=config.max_position_embeddings,
+            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+            norm_eps=config.rms_norm_eps,
+            tie_embeddings=bool(config.tie_word_embeddings),
+        )
+    raise ValueError(
+        f"the planner models the built-in GPT and Llama-family HuggingFace models, not {type(model).__name__}; plan "
+        "a GPT of the same shape (model=llama_8b, ... with model.* set)."
+    )
+
+
 def vocab_and_length(model: Any) -> tuple[int | None, int | None]:
     """The model's vocabulary size and longest sequence, where its config says (``None`` for a user's module)."""
     if isinstance(model, GPTConfig):

@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from lightning_dist.config.build import planned_model
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
-from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import ASSUMPTIONS, Estimate
 from lightning_dist.plan.layout import Layout
@@ -63,8 +63,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     Raises:
         ValueError: The model is not the built-in GPT, or the format is unknown.
     """
-    if not isinstance(cfg.model, GPTConfig):
-        raise ValueError("lightning-dist-plan models the built-in GPT (model=llama_8b, llama_70b, ...); got another.")
+    cfg = replace(cfg, model=planned_model(cfg.model))  # a Llama-family model=hf is planned as its GPT shape
     if cfg.plan.format not in ("table", "json"):
         raise ValueError(f"plan.format={cfg.plan.format!r} is unknown; use table or json.")
     world, seq_len, batch = world_of(cfg), cfg.data.seq_len, cfg.data.global_batch_size

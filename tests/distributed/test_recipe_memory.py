@@ -83,3 +83,37 @@ def test_the_planner_counts_what_a_traced_rank_holds() -> None:
         per_rank = [params / (tp * dp_shard) for params in rank_params(cfg.model, pp)]
         assert first == pytest.approx(per_rank[0], rel=0.01), (tp, dp_shard, pp, first, per_rank)
         assert last == pytest.approx(per_rank[-1], rel=0.01), (tp, dp_shard, pp, last, per_rank)
+
+
+def _trace_hf_recipe(overrides: list[str], ranks: tuple[int, ...]) -> list[int]:
+    from lightning_dist.plan.trace import trace_rank
+
+    cfg = compose_config(overrides)
+    return [trace_rank(cfg, rank).local_params for rank in ranks]
+
+
+def test_the_finetune_recipe_traces_at_full_size_and_fits(tmp_path) -> None:
+    """llama_8b_finetune_8gpu: Llama 3.1 8B as a HuggingFace model (its config.json only: nothing is allocated or
+    downloaded), ranks 0 and 7 of the real fsdp8 layout traced on the fake backend through the strategy's own
+    parallelize path hold 1/8 of the model, and the planner's estimate of the recipe's settings fits an H100."""
+    from transformers import LlamaConfig
+
+    from lightning_dist.config.build import planned_model
+    from lightning_dist.config.validate import build_parallel_dims, options_of
+
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False).save_pretrained(tmp_path)  # fmt: skip
+    overrides = ["recipe=llama_8b_finetune_8gpu", "model.pretrained=null", f"model.config={tmp_path}",
+                 f"data.path={tmp_path / 'sft.jsonl'}"]  # fmt: skip
+    cfg = compose_config(overrides)
+    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    model = planned_model(cfg.model)
+    expected = count_local_params(model, dp_shard=dims.dp_shard)
+    assert expected * dims.dp_shard == pytest.approx(8.03e9, rel=0.01)  # a 1/8 share of Llama 3.1 8B
+    traced = launch(_trace_hf_recipe, 1, overrides, (0, dims.world_size - 1))[0]
+    assert traced == [pytest.approx(expected, rel=1e-3)] * 2, (traced, expected)
+    estimate = estimate_memory(model, dims, options, local_params=expected, seq_len=cfg.data.seq_len,
+                               micro_batch=cfg.data.micro_batch_size)  # fmt: skip
+    assert estimate.fits(H100_GIB), estimate.gib()
+    assert estimate.gib()["total"] == pytest.approx(54.8, abs=0.1)  # the number the recipe states
