@@ -49,6 +49,16 @@ def optimizers_to_device(optimizers, device) -> None:
     _optimizers_to_device(optimizers, device)
 
 
+def step_supports_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` honours ``optimizer.found_inf`` (a float tensor, 1.0 = skip the update).
+
+    torch's optimizers with a fused kernel (``AdamW(fused=True)``, ``Adam``, ``SGD``, ``Adagrad``) set the private
+    ``_step_supports_amp_scaling``; ``torch.amp.GradScaler.step`` reads the same flag before it hands them its
+    ``found_inf``, and their kernels then leave parameters, state and the step counter as they were, on the device.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def functional_collectives_module() -> ModuleType:
     """``torch.distributed._functional_collectives`` (private): the module DTensor calls as ``funcol.<name>``.
 

@@ -13,6 +13,7 @@ from lightning_dist.callbacks import heartbeat
 from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
+from lightning_dist.strategies.guard import guard_of
 
 
 class InitWeights(pl.Callback):
@@ -81,7 +82,15 @@ class RunCheckpoints(pl.Callback):
         self.wait(trainer)
 
     def save(self, trainer: pl.Trainer) -> Path:
-        """Write, publish and prune; every rank calls it (the save is collective)."""
+        """Write, publish and prune; every rank calls it (the save is collective).
+
+        Raises:
+            NonFiniteError: The strategy's guard found a non-finite step since its last report (``stop``): nothing
+                of it is written (every rank holds the same count, so every rank raises).
+        """
+        guard = guard_of(trainer.strategy)
+        if guard is not None:
+            guard.report(trainer.global_step)  # a device-side skip is read before anything after it is written
         self.wait(trainer)  # one write in flight at a time
         started = time.monotonic()
         step = trainer.global_step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,11 +12,11 @@ from typing_extensions import override
 from lightning_dist import _compat
 from lightning_dist.parallel.clip import global_grad_norm
 from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.strategies.guard import allow_step
+from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 
 
-class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
+class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     """Lightning's ``DDPStrategy`` (its C++ reducer, its hooks), except for data order: a loader's own sampler is
     dealt out by rank (global batch k = one process's batch k at world-size x the batch) instead of being replaced
     by a shuffling ``DistributedSampler``. The app's ``parallelism=ddp``.
@@ -47,7 +48,5 @@ class DataParallelStrategy(LoaderOrderMixin, DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()
         norm = global_grad_norm(self.lightning_module.parameters())  # all-reduced gradients: the same on every rank
-        if not allow_step(norm, loss, self.options.on_nonfinite, self.lightning_module):
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        apply = partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs)
+        return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,13 @@ from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions, check_accumulation
 from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
-from lightning_dist.strategies.guard import allow_step
+from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.stages import PipelineStages
 
 
-class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy):
+class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy):
     """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
 
     Example::
@@ -365,10 +366,8 @@ class MeshStrategy(LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStra
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()  # forward + backward of the step's last (or only) micro batch
         norm = self._clip_gradients()
-        if not allow_step(norm, loss, self.options.on_nonfinite, self.lightning_module):
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        apply = partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs)
+        return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)
 
     def _clip_gradients(self) -> Tensor:
         """Clip the step's whole gradient (every micro batch in) by its norm over all axes; log ``train/grad_norm``."""
