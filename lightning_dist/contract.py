@@ -50,6 +50,12 @@ class ParallelModule(Protocol):
         Stage forward contract: a stage runs ``model.forward`` on a copy of the model whose block container holds only
         its blocks and whose ``first`` / ``last`` parts it does not own are ``None``. So ``forward`` must accept the
         previous stage's output as its input, skip each part that is ``None``, and return one tensor.
+
+        Batch and loss contract: ``split_batch(batch)`` returns ``(inputs, targets)`` or ``(inputs, targets,
+        loss_kwargs)``; the schedule cuts ``inputs`` and ``targets`` (one tensor) into microbatches along dim 0 and
+        calls ``loss_fn(outputs, targets, **loss_kwargs)`` for each, with ``loss_kwargs`` unchanged (the built-in GPT
+        and ``HFCausalLM`` pass the step's token normalization ``{"scale": G / N}`` of masked data this way). The
+        step's loss is the mean of the microbatch losses.
         """
 
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool) -> None:

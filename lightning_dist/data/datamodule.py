@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.data.config import DataConfig, validate_data_config
 from lightning_dist.data.files import TextDataset, TokenDataset
-from lightning_dist.data.packed import build_cache, hf_datasets
+from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
+from lightning_dist.data.token_norm import GlobalBatchTokensSampler, batch_tokens
 
 _BYTE_VOCAB = 256
 
@@ -32,6 +34,12 @@ class TokenDataModule(pl.LightningDataModule):
     holds positions ``k*G + r + N*j`` (j < b), which together are exactly ``perm[k*G:(k+1)*G]``. With drop_last
     on both the sampler and the loader, every N yields ``len // G`` full steps per epoch (the partial tail
     step is dropped), so no truncation of the dataset is needed.
+
+    Masked targets (data=hf ``instruction`` / ``chat``): each training sample comes with ``(G, N_s)``, its global
+    batch's samples and target tokens, which the same permutation gives every rank without communication, so the loss
+    is the token mean over the global batch under every layout (``token_norm.py``). Each validation sample comes with
+    those of its global validation batch (``data.global_batch_size`` consecutive samples of the validation order), so
+    val/loss is the mean over global validation batches of their token means, weighted by their samples.
     """
 
     def __init__(self, cfg: DataConfig, seed: int = 0) -> None:
@@ -173,9 +181,12 @@ class TokenDataModule(pl.LightningDataModule):
         sampler: Sampler = DistributedSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=True
         )
+        counts = dataset.target_counts() if isinstance(dataset, PackedDataset) else None  # None: every target counts
         if train:
             steps_per_epoch = len(dataset) // self.cfg.global_batch_size
-            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, per_rank)
+            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, per_rank, counts)
+        elif counts is not None:
+            sampler = GlobalBatchTokensSampler(sampler, counts, self.cfg.global_batch_size)
         return DataLoader(
             dataset,
             batch_size=batch_size,
@@ -234,16 +245,25 @@ class StepSampler(Sampler[int]):
     if the epoch had ended, and a resumed run would start the next permutation. Here the first iteration starts at
     ``start_step`` (the checkpoint's step, skipping what was already trained on) and every later iteration serves
     the next full epoch, so a resumed run sees exactly the batches an uninterrupted run would.
+
+    With ``counts`` (each sample's target tokens: masked data) it yields ``(index, G, N_s)`` instead of ``index``: the
+    global batch size and the target tokens of the global batch of step ``s`` that the index belongs to.
     """
 
     def __init__(
-        self, sampler: DistributedSampler, start_step: int, steps_per_epoch: int, samples_per_step: int
+        self,
+        sampler: DistributedSampler,
+        start_step: int,
+        steps_per_epoch: int,
+        samples_per_step: int,
+        counts: np.ndarray | None = None,
     ) -> None:
         self.sampler = sampler
         self.epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
         self.skip = step_in_epoch * samples_per_step
         # Whole optimizer steps only: with micro batches the tail could otherwise hold a partial step's batches.
         self.limit = steps_per_epoch * samples_per_step
+        self.steps_per_epoch, self.samples_per_step, self.counts = steps_per_epoch, samples_per_step, counts
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored on purpose: the epoch follows from the step count (see the class docstring)."""
@@ -252,14 +272,20 @@ class StepSampler(Sampler[int]):
         skip, self.skip = self.skip, 0
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
+        tokens, global_batch = None, self.samples_per_step * self.sampler.num_replicas
+        if self.counts is not None:  # target tokens of each global batch (= optimizer step) of this epoch
+            tokens = batch_tokens(self.sampler, self.counts, global_batch)[1].tolist()
         for position, index in enumerate(self.sampler):
             if position >= self.limit:
                 return
             if position >= skip:
-                yield index
+                yield index if tokens is None else (index, global_batch, tokens[position // self.samples_per_step])
 
     def __len__(self) -> int:
-        return self.limit - self.skip
+        # The whole epoch, also while the first iteration resumes mid-epoch: Lightning restores how many batches of
+        # the epoch were done (its batch progress) and ends the epoch when that count reaches len(loader); a length
+        # without the skipped batches ended a resumed epoch that many batches early, on the next epoch's permutation.
+        return self.limit
 
 
 def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:

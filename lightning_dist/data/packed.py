@@ -184,7 +184,12 @@ def hf_datasets(cfg: Any) -> dict[str, PackedDataset]:
 
 class PackedDataset(Dataset):
     """Windows of a cache folder as ``(inputs, targets)`` int64 tensors of ``seq_len`` tokens, targets shifted by one
-    and ``-100`` where there is no loss. The files are mapped lazily in each process (workers pickle no data)."""
+    and ``-100`` where there is no loss. The files are mapped lazily in each process (workers pickle no data).
+
+    Indexed by ``(index, samples, tokens)`` (what the samplers of ``token_norm.py`` yield for masked data), a window is
+    ``(inputs, targets, norm)``: ``norm`` the int64 pair ``(samples, tokens)`` of the global batch it belongs to (its
+    samples and their target tokens), from which the loss takes its token-exact scale (``models/loss.py``).
+    """
 
     def __init__(self, folder: Path, windows: np.ndarray) -> None:
         meta = json.loads((folder / "meta.json").read_text())
@@ -195,16 +200,31 @@ class PackedDataset(Dataset):
         self.masked = bool(meta["masked"])
         self._tokens: np.ndarray | None = None
         self._mask: np.ndarray | None = None
+        self._counts: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_tokens"] = state["_mask"] = None
+        state["_tokens"] = state["_mask"] = state["_counts"] = None
         return state
 
     def __len__(self) -> int:
         return int(self.windows.size)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_counts(self) -> np.ndarray | None:
+        """The number of loss targets (not ``-100``) of each sample, in index order; ``None`` without a mask (every
+        target counts). Read from ``mask.npy`` once, about 64 MiB of it at a time."""
+        if not self.masked:
+            return None
+        if self._counts is None:
+            mask = np.load(self.folder / "mask.npy", mmap_mode="r")
+            rows = max(1, (64 << 20) // mask.shape[1])
+            chunks = [mask[self.windows[start : start + rows], 1:].sum(axis=1, dtype=np.int64)
+                      for start in range(0, len(self), rows)]  # fmt: skip
+            self._counts = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        return self._counts
+
+    def __getitem__(self, item: int | tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        index = item[0] if isinstance(item, tuple) else item
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         if self._tokens is None:
@@ -215,4 +235,6 @@ class PackedDataset(Dataset):
         targets = row[1:].clone()
         if self._mask is not None:
             targets[torch.from_numpy(self._mask[window, 1:] == 0)] = IGNORE_INDEX
+        if isinstance(item, tuple):
+            return row[:-1], targets, torch.tensor(item[1:], dtype=torch.int64)
         return row[:-1], targets

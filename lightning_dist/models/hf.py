@@ -23,13 +23,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_dist import _compat
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
+from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, warmup_cosine
 from lightning_dist.parallel.pipeline import PipelineSpec
@@ -57,7 +58,6 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 #: The parts of a Llama-style and of a GPT-2-style causal LM, by attribute path.
 _LLAMA_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 _GPT2_PARTS = ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head")
-IGNORE_INDEX = -100
 
 
 class _Conv1DStyle(ParallelStyle):
@@ -120,8 +120,10 @@ def hf_tensor_parallel_plan(model: nn.Module, prefix: str = "") -> dict[str, Par
     return plan
 
 
-def split_causal_batch(batch: Any) -> tuple[Tensor, Tensor]:
-    """``(inputs, targets)`` for next-token prediction from the batch formats people use.
+def split_causal_batch(batch: Any) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``(inputs, targets)`` for next-token prediction from the batch formats people use, or
+    ``(inputs, targets, {"scale": ...})`` for a masked ``(inputs, targets, norm)`` batch (data=hf ``instruction`` /
+    ``chat``: the loss keyword arguments of :func:`causal_lm_loss`, see ``lightning_dist/models/loss.py``).
 
     A ``(B, T+1)`` token tensor; an ``(inputs, targets)`` pair; or a dict with ``input_ids`` and optionally HF-style
     ``labels`` (the same positions as ``input_ids``, ``-100`` = ignored). The last two keep the logits of positions
@@ -131,21 +133,22 @@ def split_causal_batch(batch: Any) -> tuple[Tensor, Tensor]:
         ids = batch["input_ids"]
         labels = batch.get("labels", ids)
         return ids[:, :-1], labels[:, 1:]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return split_token_batch(batch)
     if isinstance(batch, (tuple, list)) and len(batch) == 1:
         batch = batch[0]
     if isinstance(batch, Tensor) and batch.ndim == 2:
         return batch[:, :-1], batch[:, 1:]
     raise ValueError(
         f"a batch of {type(batch).__name__} is not a causal-LM batch; give a (B, T+1) token tensor, an "
-        "(inputs, targets) pair, or a dict with input_ids (and labels)."
+        "(inputs, targets) pair, an (inputs, targets, norm) triple, or a dict with input_ids (and labels)."
     )
 
 
-def causal_lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy in float32 over the targets that are not ``-100``."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+def causal_lm_loss(logits: Tensor, targets: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Mean next-token cross-entropy in float32 over the targets that are not ``-100``; with ``scale`` (masked data:
+    the step's ``G / N``) ``sum * scale / B``, this micro batch's share of the global batch's token mean."""
+    return token_loss(logits, targets, scale)
 
 
 def causal_lm_stage_forward(self: nn.Module, hidden: Tensor) -> Tensor:
@@ -268,8 +271,8 @@ class HFCausalLM(pl.LightningModule):
         init_causal_lm(self.model, self.init_seed, random=self.random_init)
 
     def compute_loss(self, batch: Any) -> Tensor:
-        inputs, targets = split_causal_batch(batch)
-        return causal_lm_loss(self.model(input_ids=inputs).logits, targets)
+        inputs, targets, *loss_kwargs = split_causal_batch(batch)
+        return causal_lm_loss(self.model(input_ids=inputs).logits, targets, **(loss_kwargs[0] if loss_kwargs else {}))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)

@@ -11,12 +11,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.gpt_parallel import check_tensor_parallel, gpt_tensor_parallel_plan
+from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.optim import OptimConfig, warmup_cosine
 from lightning_dist.parallel.pipeline import PipelineSpec
 
@@ -64,14 +64,16 @@ class GPTModule(pl.LightningModule):
         return self.model(tokens)
 
     @staticmethod
-    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in float32 over the targets that are not -100 (data=hf's prompt tokens).
-        ``logits`` (B, T, V), ``targets`` (B, T)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-100)
+    def loss_fn(logits: Tensor, targets: Tensor, scale: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy in float32 over the targets that are not -100 (data=hf's prompt tokens);
+        with ``scale`` (masked data) ``sum * scale / B``, the micro batch's share of the global batch's token mean
+        (``lightning_dist/models/loss.py``). ``logits`` (B, T, V), ``targets`` (B, T)."""
+        return token_loss(logits, targets, scale)
 
-    def compute_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch
-        return self.loss_fn(self.model(inputs), targets)
+    def compute_loss(self, batch: tuple[Tensor, ...]) -> Tensor:
+        """The loss of ``(inputs, targets)`` or of a masked ``(inputs, targets, norm)`` batch."""
+        inputs, targets, *loss_kwargs = split_token_batch(batch)
+        return self.loss_fn(self.model(inputs), targets, **(loss_kwargs[0] if loss_kwargs else {}))
 
     # -------------------------------------------------------------------------------------------- lightning
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -108,6 +110,7 @@ class GPTModule(pl.LightningModule):
             first=("tok_emb", "pos_emb"),
             last=("norm", "head"),
             loss_fn=self.loss_fn,
+            split_batch=split_token_batch,
         )
 
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:

@@ -13,6 +13,7 @@ drives it.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,9 +50,12 @@ class PipelineSpec:
             or ``nn.ModuleDict``, run in order); ``""`` = the model itself is the container.
         first: Submodule names of the model used only before the blocks (embeddings); kept on the first stage.
         last: Submodule names used only after the blocks (final norm, head); kept on the last stage.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` mean loss of one microbatch.
-        split_batch: ``split_batch(batch) -> (inputs, targets)``; ``inputs`` a tensor or a tuple of tensors
-            (batch dim first). ``None`` = the batch is already ``(inputs, targets)``.
+        loss_fn: ``loss_fn(outputs, targets, **loss_kwargs) -> scalar`` loss of one microbatch, whose mean over the
+            microbatches is the batch's loss (the schedule scales gradients by ``1 / microbatches``).
+        split_batch: ``split_batch(batch) -> (inputs, targets)`` or ``(inputs, targets, loss_kwargs)``; ``inputs`` a
+            tensor or a tuple of tensors (batch dim first), ``targets`` one tensor (the schedule cuts it along dim
+            0), ``loss_kwargs`` a dict passed unchanged to ``loss_fn`` for every microbatch (e.g. the step's token
+            normalization, ``{"scale": G / N}``). ``None`` = the batch is already ``(inputs, targets)``.
         stage_forward: ``stage_forward(stage_model, *inputs) -> Tensor`` run by each stage instead of the model's
             own ``forward`` (for models whose ``forward`` cannot skip the parts a stage lacks, e.g. HF's); ``None``
             = the model's ``forward``, which must then follow the stage contract (see ``ParallelModule``).
@@ -61,8 +65,8 @@ class PipelineSpec:
     blocks_attr: str = ""
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
-    loss_fn: Callable[[Any, Tensor], Tensor] | None = None
-    split_batch: Callable[[Any], tuple[Any, Tensor]] | None = None
+    loss_fn: Callable[..., Tensor] | None = None
+    split_batch: Callable[[Any], tuple[Any, ...]] | None = None
     stage_forward: Callable[..., Tensor] | None = None
 
     def model(self, module: nn.Module) -> nn.Module:
@@ -84,6 +88,23 @@ class PipelineSpec:
                 "nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks."
             )
         return container
+
+    def split(self, batch: Any) -> tuple[Any, Tensor, dict[str, Any] | None]:
+        """``(inputs, targets, loss_kwargs)`` of ``batch`` (``loss_kwargs`` ``None`` when ``split_batch`` gave a
+        pair)."""
+        split = self.split_batch(batch) if self.split_batch is not None else batch
+        if not isinstance(split, (tuple, list)) or len(split) not in (2, 3):
+            raise ValueError(
+                f"pipeline_spec().split_batch must return (inputs, targets) or (inputs, targets, loss_kwargs); got "
+                f"{type(split).__name__}{f' of {len(split)}' if isinstance(split, (tuple, list)) else ''}."
+            )
+        loss_kwargs = split[2] if len(split) == 3 else None
+        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+            raise ValueError(
+                f"the third element of pipeline_spec().split_batch's result is a {type(loss_kwargs).__name__}; it must "
+                "be the dict of keyword arguments loss_fn takes (give split_batch= for a batch of three tensors)."
+            )
+        return split[0], split[1], loss_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -272,7 +293,7 @@ def build_schedule(
     name: str,
     stages: list[PipelineStage],
     microbatches: int,
-    loss_fn: Callable[[Any, Tensor], Tensor] | None,
+    loss_fn: Callable[..., Tensor] | None,
 ) -> Any:
     """The torch schedule ``name`` over this rank's ``stages``.
 
@@ -283,6 +304,18 @@ def build_schedule(
     if SCHEDULES[name] == 1:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def check_loss_kwargs(schedule: Any, loss_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``loss_kwargs``, once checked that ``schedule.step`` passes them to the loss (torch 2.13 does; older releases
+    would hand them to the model as inputs)."""
+    if "loss_kwargs" not in inspect.signature(schedule.step).parameters:
+        raise ValueError(
+            f"pipeline_spec().split_batch returned loss keyword arguments {sorted(loss_kwargs)}, which this torch's "
+            f"{type(schedule).__name__}.step() cannot pass to loss_fn (no loss_kwargs parameter); use a torch whose "
+            "pipeline schedules take loss_kwargs (2.13 does), or pp=1."
+        )
+    return loss_kwargs
 
 
 def broadcast_loss(loss: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:

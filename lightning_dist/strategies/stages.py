@@ -173,13 +173,14 @@ class PipelineStages:
 
     def compute_loss(self, batch: Any) -> Tensor:
         """Run the schedule on ``batch``; return the mean microbatch loss, the same on every pipeline rank."""
-        spec = self.spec
-        inputs, targets = spec.split_batch(batch) if spec.split_batch is not None else batch
+        inputs, targets, loss_kwargs = self.spec.split(batch)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         pipeline.check_microbatches(
             self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=targets.shape[0]
         )
         kwargs: dict[str, Any] = {"target": targets if self._owns_last else None}
+        if loss_kwargs:  # passed unchanged to every microbatch's loss_fn (target is cut along dim 0)
+            kwargs["loss_kwargs"] = pipeline.check_loss_kwargs(self.schedule, loss_kwargs)
         losses: list[Tensor] | None = [] if self._owns_last else None
         kwargs["losses"] = losses
         if self.module.training and torch.is_grad_enabled():
