@@ -72,7 +72,13 @@ def checkpoint_shapes(path: Path, weights_only: bool | None = None) -> dict[str,
     """The module's tensors in the checkpoint ``path`` (a single file or a sharded folder) and their shapes."""
     path = Path(path)
     if path.is_dir():
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        try:
+            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as err:  # a truncated or foreign .metadata: pickle / DCP raise many kinds
+            raise ValueError(
+                f"checkpoint {path} cannot be read ({type(err).__name__} in its .metadata); it is damaged or not a "
+                "lightning-dist checkpoint: continue from an older checkpoints/step-N, or start without it."
+            ) from None
         prefix = f"{MODEL_KEY}."
         return {
             key[len(prefix) :]: tuple(meta.size)

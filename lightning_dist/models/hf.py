@@ -32,7 +32,7 @@ from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
-from lightning_dist.models.optim import OptimConfig, warmup_cosine
+from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 #: transformers' tensor-parallel style names -> torch styles (outputs as plain tensors, full where HF gathers).
@@ -291,23 +291,12 @@ class HFCausalLM(pl.LightningModule):
         cfg = self.optim_config
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         tied_head = getattr(self.hf_model_config, "tie_word_embeddings", False)
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue
-            embedding = id(param) in embeddings or (tied_head and name.endswith("lm_head.weight"))
-            (decay if param.ndim >= 2 and not embedding else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            foreach=True,
-        )
+
+        def is_embedding(name: str, param: nn.Parameter) -> bool:
+            return id(param) in embeddings or (tied_head and name.endswith("lm_head.weight"))
+
         length = cfg.decay_steps or self.max_steps or self.trainer.max_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, length) if length > 0 else
-                                                      _warmup_only(cfg))  # fmt: skip
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, length)
 
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
@@ -335,11 +324,6 @@ class HFCausalLM(pl.LightningModule):
             f"nor like GPT-2 ({', '.join(_GPT2_PARTS)}); pipeline it with your own LightningModule and "
             "pipeline_spec() (see lightning_dist.PipelineSpec)."
         )
-
-
-def _warmup_only(cfg: OptimConfig) -> Any:
-    """LR multiplier of a run of unknown length (by epochs): linear warmup, then the peak rate."""
-    return lambda step: min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
 
 def _has_path(model: nn.Module, path: str) -> bool:

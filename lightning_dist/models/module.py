@@ -11,13 +11,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.gpt_parallel import check_tensor_parallel, gpt_tensor_parallel_plan
 from lightning_dist.models.loss import split_token_batch, token_loss
-from lightning_dist.models.optim import OptimConfig, warmup_cosine
+from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 
@@ -122,21 +122,11 @@ class GPTModule(pl.LightningModule):
         # Weight decay on matrices only: norms, biases and embeddings are left alone (GPT-2 / Llama practice).
         # A tied head is the embedding matrix: a pipeline stage that holds only the head must not decay its copy.
         tied_head = self.model_config.tie_embeddings
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue
-            embedding = "emb" in name or (tied_head and name.endswith("head.weight"))
-            (decay if param.ndim >= 2 and not embedding else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            foreach=True,
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg, cfg.decay_steps or self.max_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def is_embedding(name: str, param: nn.Parameter) -> bool:
+            return "emb" in name or (tied_head and name.endswith("head.weight"))
+
+        return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, cfg.decay_steps or self.max_steps)
 
 
 class StepLoss:

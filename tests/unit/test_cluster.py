@@ -205,6 +205,8 @@ def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path,
     with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-00000004\); continue it"):
         validate(compose_config(overrides, tmp_path))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
+    # Which checkpoint a requeued job continues from: its files are placeholders, so their contents go unchecked.
+    monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
     cfg = compose_config(overrides, tmp_path)
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)
@@ -250,6 +252,8 @@ def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(t
            "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # Which checkpoint a restarted job continues from: its files are placeholders, so their contents go unchecked.
+    monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
     cfg = compose_config([*FAST, "cluster.devices=2"], tmp_path)
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)  # continued from the newest checkpoint of the job's folder

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,27 @@ def _state(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.T
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+#: What a launcher (ours, torchrun, SLURM, submitit, Lightning's own) leaves in os.environ: another test in this
+#: pytest worker may have set them, and a one-device Trainer would then wait for ranks that never come.
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                "SLURM_STEP_ID", "SUBMITIT_EXECUTOR", "LIGHTNING_DIST_LAUNCHER_PID")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _a_fresh_single_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test is one process of its own: no launcher's variables before it, none of what Lightning's launcher sets
+    (MASTER_PORT, WORLD_SIZE, ...) after it, and no process group left behind."""
+    saved = dict(os.environ)
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _trainer(strategy: Any, max_steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
