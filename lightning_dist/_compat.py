@@ -35,6 +35,38 @@ def disable_inference_mode(trainer) -> None:
         loop.inference_mode = False
 
 
+def logs_this_step(trainer: Any) -> bool:
+    """Whether the optimizer step now running sends its logged values to the loggers.
+
+    Lightning's own rule (``_LoggerConnector.should_update_logs``: every ``log_every_n_steps`` steps counted by the
+    fit loop's private ``_batches_that_stepped``, and when the trainer stops), plus ``fast_dev_run`` and the last
+    step of ``max_steps``, so that the values left in ``trainer.callback_metrics`` at the end are the last step's.
+    The same answer in ``training_step``, the strategy's ``optimizer_step`` and ``on_train_batch_end`` of one step.
+    """
+    if trainer.fast_dev_run or trainer._logger_connector.should_update_logs:
+        return True
+    return 0 < trainer.max_steps <= trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+
+
+def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
+    """Turn off the SIGTERM check Lightning's training loop makes before every batch; returns the undo.
+
+    Lightning 2.6 broadcasts rank 0's ``trainer.received_sigterm`` and reads it back (``.item()``) before each batch
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a host read per step. A callback
+    that replaces Lightning's SIGTERM handler and agrees on signals itself (``callbacks/preemption.py``) makes that
+    flag always false, so the broadcast is pure cost; it is dropped for this trainer's loop only.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_broadcast_sigterm_tensor"):
+        return lambda: None
+    loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute shadows the method
+
+    def undo() -> None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+    return undo
+
+
 def materialize_distributed_module(module, device) -> None:
     """Lightning's own materialization of meta-device parameters (used by its ModelParallelStrategy)."""
     from lightning.fabric.utilities.init import _materialize_distributed_module

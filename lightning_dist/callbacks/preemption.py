@@ -19,6 +19,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_dist import _compat
+
 #: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
@@ -33,6 +35,7 @@ class Preemption(pl.Callback):
         self._previous: dict[int, Any] = {}
         self._last_step = -1
         self._pending: _Agreement | None = None  # the all-reduce started after the previous optimizer step
+        self._undo_sigterm_check = lambda: None
 
     @property
     def signal_name(self) -> str | None:
@@ -43,6 +46,9 @@ class Preemption(pl.Callback):
         self._last_step = trainer.global_step
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        # Lightning's own per-batch SIGTERM broadcast (a blocking collective and a host read) can only ever send
+        # "no" now that our handler has replaced Lightning's: this agreement does its job.
+        self._undo_sigterm_check = _compat.skip_sigterm_broadcast(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is not None:  # every rank started it: finish it before any later collective
@@ -72,6 +78,8 @@ class Preemption(pl.Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self._undo_sigterm_check()
+        self._undo_sigterm_check = lambda: None
 
 
 class _Agreement:

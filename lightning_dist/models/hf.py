@@ -276,9 +276,9 @@ class HFCausalLM(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
-        step_loss = self.step_loss.update(loss, self.trainer)
-        if step_loss is not None:  # the optimizer step's loss, every micro batch in
-            self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
+        step_loss = self.step_loss.update(loss, self.trainer)  # the optimizer step's loss, every micro batch in
+        if step_loss is not None and _compat.logs_this_step(self.trainer):  # as GPTModule: logging steps only
+            self.log("train/loss", step_loss, sync_dist=True)
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_dist import _compat
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.gpt_parallel import check_tensor_parallel, gpt_tensor_parallel_plan
 from lightning_dist.models.loss import split_token_batch, token_loss
@@ -79,9 +80,12 @@ class GPTModule(pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
         step_loss = self.step_loss.update(loss, self.trainer)
-        if step_loss is not None:
+        # Logged on logging steps only: sync_dist is a collective whose result Lightning reads, and a float becomes
+        # a device tensor (a host-to-device copy); the loggers receive the same values as when logged every step.
+        # No prog_bar: Lightning would read it back after every batch (callbacks/progress.py shows it instead).
+        if step_loss is not None and _compat.logs_this_step(self.trainer):
             # sync_dist: the logged value is the global-batch loss whatever the layout.
-            self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
+            self.log("train/loss", step_loss, sync_dist=True)
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 

@@ -68,7 +68,7 @@ def adamw_with_schedule(
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        fused=True,
     )
     factor = warmup_cosine(cfg, max_steps) if max_steps > 0 else warmup_only(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

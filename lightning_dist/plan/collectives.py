@@ -20,8 +20,10 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
   gradient norm's square summed over the stages.
 - **Gradient norm** (mesh strategy): the per-tensor norms are stacked and all-reduced (fp32) over each axis that
   shards a gradient.
-- **The loop**: Lightning's SIGTERM check (one 8-byte broadcast per batch), the step loss's ``sync_dist`` and the
-  preemption flag (4 bytes each per step) on the default group.
+- **The loop** (the app's, on the default group): the preemption flag (4 bytes per step, non-blocking; it replaces
+  Lightning's per-batch SIGTERM broadcast); on logging steps the step loss's ``sync_dist`` (4 bytes) and the loss
+  history of the steps since the last logging step (4 bytes each). Counted for ``log_every_n_steps=1``, where every
+  step logs; with ``k`` the last two add up to ``4 + 4k`` bytes in 2 calls per ``k`` steps.
 """
 
 from __future__ import annotations
@@ -182,8 +184,7 @@ def step_collectives(
     if world == DP:
         world = "dp_shard" if ds > 1 else "dp_replicate"
     if lay.world > 1 and loop:
-        add(world, "broadcast", 8, batches, "Lightning: SIGTERM check, per batch")
-        add(world, "all_reduce", 4, 2, "train/loss sync_dist and the preemption flag, per step")
+        add(world, "all_reduce", 4, 3, "the preemption flag; train/loss sync_dist and the loss history (logging)")
 
     sp = lay.sequence_parallel
     roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]

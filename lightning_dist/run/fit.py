@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
 from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
+from lightning_dist.callbacks.progress import LoggedLossBar
 from lightning_dist.config.build import build_datamodule, build_module
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
@@ -59,6 +60,8 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         all_callbacks.append(telemetry)
     if cfg.trainer.enable_checkpointing:
         all_callbacks.append(checkpoint)
+    if cfg.trainer.enable_progress_bar:
+        all_callbacks.append(LoggedLossBar())
     if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
     if cfg.cluster.num_nodes > 1:

@@ -155,6 +155,11 @@ class PipelineStages:
         )  # fmt: skip
         return runner
 
+    @property
+    def pp_group(self) -> torch.distributed.ProcessGroup:
+        """This rank's pipeline process group."""
+        return self._pp_group
+
     @functools.cached_property
     def routed(self) -> pl.LightningModule:
         """The module as its step hooks see it under the pipeline: ``self.compute_loss(batch)`` runs the schedule.

@@ -1,0 +1,227 @@
+"""Nothing between the step and the device: a step that does not log reads no more values back than a plain loop.
+
+On a GPU every read of a device value (``item``, ``bool``, ``float``, ``tolist``, ...) or blocking host-side
+collective (``barrier``, the ``*_object`` ones) makes the host wait for the device. The app's whole step (Lightning's
+loop, ``GPTModule``, the strategy, the non-finite guard and every default callback: loss history, preemption,
+heartbeat, telemetry) is counted on 2 ranks for DDP, FSDP2, TP and PP, against a plain torch loop that trains the
+same GPT under the same layout (forward, backward, clip by the global norm, fused AdamW, LR schedule). Counted per
+optimizer step, over steps whose window holds no logging step (``trainer.log_every_n_steps=4``).
+
+One read is allowed by name: the preemption flag agreed by a non-blocking all-reduce started a step earlier
+(``callbacks/preemption.py``: on CUDA it is a read of pinned host memory behind an event, not of device memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import compose_config
+
+from lightning_dist.callbacks.preemption import _Agreement
+from lightning_dist.run.launch import launch
+
+READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu")
+BLOCKING = ("barrier", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+ALLOWED = {_Agreement.value.__code__}  # the preemption flag, read one step after its collective started
+LOG_EVERY, STEPS = 4, 9
+QUIET_STEPS = (2, 3, 6, 7)  # neither the step nor the one before it logs (the loop logs after on_train_batch_end)
+LAYOUTS = {
+    "ddp": ["parallelism=ddp"],
+    "fsdp2": ["parallelism=fsdp"],
+    "tp2": ["parallelism=tp"],
+    "pp2": ["parallelism=pp"],
+}
+SETTINGS = [
+    "logger=none",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.log_every_n_steps={LOG_EVERY}",
+    "trainer.report=false",
+    "data.global_batch_size=8",
+    "data.seq_len=32",
+    "data.num_train_samples=256",
+    "model.max_seq_len=64",
+]
+
+
+class HostReads:
+    """Counts reads of tensor values and blocking host-side collectives, in this process, while ``counting``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.where: list[str] = []  # the first few callers, for the failure message
+        self._active = False
+
+    def _wrap(self, owner: Any, name: str) -> Callable[[], None]:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._active:
+                caller = sys._getframe(1)
+                if caller.f_code not in ALLOWED:
+                    self.count += 1
+                    if len(self.where) < 20:
+                        self.where.append(f"{name} from {caller.f_code.co_filename}:{caller.f_lineno}")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        return lambda: setattr(owner, name, original)
+
+    @contextmanager
+    def installed(self) -> Iterator[HostReads]:
+        undo = [self._wrap(torch.Tensor, name) for name in READS] + [self._wrap(dist, name) for name in BLOCKING]
+        try:
+            yield self
+        finally:
+            for restore in undo:
+                restore()
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+
+class CountSteps(pl.Callback):
+    """The count between the ends of consecutive optimizer steps (everything Lightning and the callbacks did)."""
+
+    def __init__(self, reads: HostReads) -> None:
+        self.reads, self.per_step, self.where, self._last = reads, {}, {}, 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.per_step[trainer.global_step] = self.reads.count - self._last
+        self.where[trainer.global_step] = list(self.reads.where)
+        self._last = self.reads.count
+        self.reads.where.clear()
+
+
+def _library(cfg: Any, reads: HostReads) -> dict[str, Any]:
+    from lightning_dist.run.fit import fit
+
+    counter = CountSteps(reads)
+    with reads.counting():
+        fit(cfg, callbacks=[counter])
+    return {"per_step": counter.per_step, "where": counter.where}
+
+
+def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
+    """The same GPT, batches and update in a plain torch loop under the same layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_dist.config.build import build_datamodule, build_module
+    from lightning_dist.models.gpt_parallel import gpt_tensor_parallel_plan
+    from lightning_dist.models.loss import token_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    datamodule = build_datamodule(cfg)
+    datamodule.setup("fit")
+    module = build_module(cfg)
+    module.configure_model()
+    model = module.model
+    context = torch.enable_grad
+    if layout == "ddp":
+        model = DistributedDataParallel(model)
+    elif layout == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp2":
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, gpt_tensor_parallel_plan(""))
+        context = loss_parallel
+    else:  # pp2: stage 0 = embeddings + first half of the blocks, stage 1 = the rest + norm + head
+        keys = list(model.layers.keys())
+        half = len(keys) // 2
+        for key in keys[half:] if rank == 0 else keys[:half]:
+            del model.layers[key]
+        for name in ("norm", "head") if rank == 0 else ("tok_emb", "pos_emb"):
+            setattr(model, name, None)
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=token_loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    per_step: dict[int, int] = {}
+    for step, (inputs, targets) in enumerate(datamodule.train_dataloader(), start=1):
+        if step > STEPS:
+            break
+        before = reads.count
+        with reads.counting():
+            if layout == "pp2":
+                if rank == 0:
+                    schedule.step(inputs)
+                else:
+                    schedule.step(target=targets, losses=[])
+            else:
+                with context():
+                    token_loss(model(inputs), targets).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        per_step[step] = reads.count - before
+    return {"per_step": per_step}
+
+
+def _all_layouts(configs: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    reads, results = HostReads(), {}
+    with reads.installed():
+        for layout, cfg in configs.items():
+            reads.where.clear()
+            results[layout] = {"library": _library(cfg, reads), "plain": _plain(layout, cfg, reads)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    configs = {
+        name: compose_config([*SETTINGS, *overrides], tmp_path_factory.mktemp(name)) for name, overrides in
+        LAYOUTS.items()
+    }  # fmt: skip
+    return launch(_all_layouts, 2, configs)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_that_does_not_log_reads_no_more_than_a_plain_loop(counts: list[dict[str, Any]], layout: str) -> None:
+    for rank, result in enumerate(counts):
+        library, plain = result[layout]["library"], result[layout]["plain"]
+        ours = {step: library["per_step"][step] for step in QUIET_STEPS}
+        theirs = max(plain["per_step"][step] for step in QUIET_STEPS)
+        assert max(ours.values()) <= theirs, (
+            f"rank {rank}, {layout}: host reads per step {ours} vs the plain loop's {theirs}; in step "
+            f"{QUIET_STEPS[-1]}: {library['where'][QUIET_STEPS[-1]]}"
+        )
+
+
+def test_logging_steps_are_counted(counts: list[dict[str, Any]]) -> None:
+    """The counter sees the reads a logging step makes (the loss reduced and read): it can fail."""
+    for result in counts:
+        for layout in LAYOUTS:
+            steps = result[layout]["library"]["per_step"]
+            assert steps[LOG_EVERY] > 0 and steps[2 * LOG_EVERY] > 0, (layout, steps)
+
+
+def test_plain_loops_train(counts: list[dict[str, Any]]) -> None:
+    for result in counts:
+        assert all(len(result[layout]["plain"]["per_step"]) == STEPS for layout in LAYOUTS)
