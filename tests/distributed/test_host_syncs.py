@@ -13,17 +13,20 @@ One read is allowed by name: the preemption flag agreed by a non-blocking all-re
 
 from __future__ import annotations
 
+import csv
 import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import compose_config
+from helpers import FAST, compose_config, losses, run_app
 
 from lightning_dist.callbacks.preemption import _Agreement
 from lightning_dist.run.launch import launch
@@ -225,3 +228,25 @@ def test_logging_steps_are_counted(counts: list[dict[str, Any]]) -> None:
 def test_plain_loops_train(counts: list[dict[str, Any]]) -> None:
     for result in counts:
         assert all(len(result[layout]["plain"]["per_step"]) == STEPS for layout in LAYOUTS)
+
+
+def _logged_losses(result: dict[str, Any]) -> dict[int, float]:
+    with Path(result["csv"]).open() as file:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")}
+
+
+def test_logging_every_few_steps_changes_no_value(tmp_path: Path) -> None:
+    """The loggers get the same values, and the history still has every step's loss, when only every third step
+    reads them back (pp2 x dp2: the loss comes from the last stage, the mean over the data-parallel ranks)."""
+    layout = ["parallelism=pp", "cluster.devices=4", "trainer.max_steps=7", "logger=csv"]
+    every = run_app([*FAST, *layout, "trainer.log_every_n_steps=1"], tmp_path / "every")
+    third = run_app([*FAST, *layout, "trainer.log_every_n_steps=3"], tmp_path / "third")
+    logged_every, logged_third = _logged_losses(every), _logged_losses(third)
+    # Lightning's CSV rows count steps from 0: steps 3 and 6, and no other, reached the logger, with the same values.
+    assert logged_third == {2: logged_every[2], 5: logged_every[5]}
+    assert len(losses(third)) == 7
+    # The history reduces a window of steps in one all-reduce: gloo may sum a vector in another order than a scalar.
+    np.testing.assert_allclose(losses(third), losses(every), rtol=1e-6)
+    np.testing.assert_allclose(losses(third)[2], logged_every[2], rtol=1e-6)
+    grad_norms = [r["step"] for r in third["history"] if "train/grad_norm" in r]
+    assert grad_norms == [3.0, 6.0, 7.0]  # logged on logging steps and the last one
