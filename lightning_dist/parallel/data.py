@@ -36,16 +36,20 @@ def apply_fsdp(
         dp_mesh: 1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP / replication.
         param_dtype: Compute dtype of the gathered parameters (bf16 for mixed precision); gradients are
             reduced in float32.
-        reshard_after_forward: Free gathered parameters after forward. Pipeline parallelism passes ``False`` so
-            microbatches do not all-gather the same parameters again.
+        reshard_after_forward: Free gathered parameters after forward (except the last unit's). Pipeline
+            parallelism passes ``False`` so microbatches do not all-gather the same parameters again.
         cpu_offload: Keep the sharded parameters, their gradients and so the optimizer state in host memory; FSDP2
             copies a unit to the device for its all-gather (pinned memory where CUDA is available).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+    units = list(units)
+    for index, unit in enumerate(units):
+        # The last block is the first one backward needs: resharding it after forward would only all-gather it
+        # again at once (torchtitan's default too). Memory stays the same at the peak, where both hold it.
+        last = index == len(units) - 1
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and not last, **options)
     for root in roots:
         fully_shard(root, reshard_after_forward=reshard_after_forward, **options)
 

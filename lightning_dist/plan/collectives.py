@@ -6,9 +6,10 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
 
 - **FSDP2** (any data parallelism under the mesh strategy): per unit (a block; the rest of a stage: embedding,
   final norm, head) an all-gather of its tp-local parameters in the compute dtype, dim 0 padded to a multiple of
-  ``dp_shard``, in the forward and again in the backward of every micro batch (pipeline stages keep them gathered:
-  one per step); one reduce-scatter of the gradients in the reduce dtype; with replicas, one all-reduce of the
-  reduced shard over ``dp_replicate`` (``dp_shard=1``: of the whole gradient, no all-gather). Under sequence
+  ``dp_shard``, in the forward and again in the backward of every micro batch (the last block: in the forward
+  only; pipeline stages keep them gathered: one per step); one reduce-scatter of the gradients in the reduce
+  dtype; with replicas, one all-reduce of the reduced shard over ``dp_replicate`` (``dp_shard=1``: of the whole
+  gradient, no all-gather). Under sequence
   parallelism the norm weights' gradients are partial sums over tp: FSDP2 all-reduces each before its
   reduce-scatter; without FSDP2 the strategy sums them in one all-reduce.
 - **TP with sequence parallelism** per micro batch: per block an all-gather before attention and MLP and a
@@ -205,8 +206,9 @@ def step_collectives(
     # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
     partial_bytes = dt.reduce if micro > 1 else dt.compute
     if fsdp:
-        gathers = 1 if pp > 1 else 2 * micro
-        for tensors_ in unit_tensors:
+        for index, tensors_ in enumerate(unit_tensors):
+            # The last block stays gathered from its forward to its backward (parallel/data.py: apply_fsdp).
+            gathers = 1 if pp > 1 else micro if index == blocks - 1 else 2 * micro
             padded = sum(t.padded(ds) for t in tensors_)
             if ds > 1:
                 add("dp_shard", "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
