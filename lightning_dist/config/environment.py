@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 #: Set in every rank our own launcher starts (:mod:`lightning_dist.run.launch`): the launcher's pid.
 OURS_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 
@@ -147,6 +145,8 @@ def check_devices(accelerator: str, devices: int, num_nodes: int) -> None:
 
 
 def cuda_count() -> int:
+    """CUDA devices torch sees; torch is imported here, for a config that asks (``gpu`` / ``auto``), not a CPU run's."""
+    import torch  # deferred: the launcher checks a CPU config without torch (tests/unit/test_layering.py: DEFERRED)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

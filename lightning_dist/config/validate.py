@@ -6,6 +6,10 @@ its :class:`~lightning_dist.parallel.options.ParallelOptions`, built once and ha
 input is never changed. Each failure is one line naming the config field, its value and the fix; rules the
 strategy must enforce at run time too (a user's own ``Trainer``) are written once, in ``ParallelOptions`` and
 ``ParallelDims``, and only called from here.
+
+What only some configs need is imported by the check that needs it (a checkpoint to continue, files to read, a
+tensor-parallel split, a HuggingFace config): the launcher checks a plain config without torch or Lightning, and
+builds nothing the ranks build again (the synthetic corpus is theirs to make).
 """
 
 from __future__ import annotations
@@ -17,15 +21,12 @@ from dataclasses import dataclass
 from hydra.utils import get_class
 
 from lightning_dist.config import environment
-from lightning_dist.config.build import num_blocks, vocab_and_length
 from lightning_dist.config.pretrained import resolve_pretrained
-from lightning_dist.config.resume import resolve_start
 from lightning_dist.config.schema import HFModelConfig, ParallelismConfig, TargetConfig, TrainConfig
-from lightning_dist.data import TokenDataModule
+from lightning_dist.config.shapes import num_blocks, vocab_and_length
 from lightning_dist.data.config import DataConfig, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
-from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.models.gpt_parallel import check_tensor_parallel
+from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions, check_accumulation
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -81,7 +82,11 @@ def validate(cfg: TrainConfig) -> ValidRun:
     par, cluster, trainer = cfg.parallelism, cfg.cluster, cfg.trainer
     _check_run_fields(cfg)
     resolve_pretrained(cfg)  # model.pretrained -> its local folder, which the run starts from (init_from)
-    cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
+    if _continues_or_starts_from_weights(cfg):  # else it starts fresh in output_dir: no checkpoint to read
+        # deferred: reading checkpoints and weights needs torch (test_layering: DEFERRED)
+        from lightning_dist.config.resume import resolve_start
+
+        cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
     cfg.resume = None
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
@@ -105,6 +110,13 @@ def validate(cfg: TrainConfig) -> ValidRun:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         trainer.enable_progress_bar = sys.stdout.isatty()
     return ValidRun(cfg=cfg, dims=dims, options=options)
+
+
+def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
+    """Whether :func:`~lightning_dist.config.resume.resolve_start` has anything to resolve: a checkpoint or weights
+    named, or a torchrun / SLURM start that may be a restart of the job."""
+    named = cfg.resume is not None or cfg.ckpt_path is not None or cfg.init_from is not None
+    return named or environment.launcher() in ("torchrun", "slurm")
 
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
@@ -207,7 +219,10 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         )
     options.check(dims, prefix="parallelism.", per_rank_batch=per_rank_batch if dims.pp_enabled else None)
     gpt = isinstance(cfg.model, GPTConfig)
-    if gpt:
+    if gpt and dims.tp_enabled:
+        # deferred: the GPT's tensor-parallel plan (torch's DTensor) is next to this rule (test_layering: DEFERRED)
+        from lightning_dist.models.gpt_parallel import check_tensor_parallel
+
         check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
     if not dims.pp_enabled:
         return
@@ -237,6 +252,9 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
+    # deferred: the data module (torch, Lightning) is imported by the configs that use it (test_layering: DEFERRED)
+    from lightning_dist.data.datamodule import TokenDataModule
+
     per_rank_batch = TokenDataModule.per_rank_batch_size(data.global_batch_size, dims.dp_size)
     if data.kind == "hf":
         validate_data_config(data)
@@ -252,7 +270,9 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             f"lower data.seq_len or raise model.max_seq_len."
         )
     validate_data_config(data)
-    datamodule = TokenDataModule(data, seed=cfg.seed)
+    datamodule = TokenDataModule(data, seed=cfg.seed)  # checks the data seed
+    if data.kind == "synthetic":
+        return per_rank_batch  # made by each rank from the seed: validate_data_config has checked all it reads
     # Missing / empty / binary-as-text files fail here, before any rank starts; data=hf is tokenized and cached here,
     # once, so the ranks only open the cache.
     datamodule.setup()

@@ -1,6 +1,9 @@
 """Checks a rank makes once it runs under torchrun or ``srun`` (its launcher's layout against the config), and
 Lightning's cluster environment for it. What can be read before launch lives in
-:mod:`lightning_dist.config.environment`."""
+:mod:`lightning_dist.config.environment`.
+
+Lightning is imported by the two functions that hand it objects, which run in a rank: the launcher imports this module
+(for :func:`preflight`) without importing Lightning."""
 
 from __future__ import annotations
 
@@ -10,13 +13,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import lightning.pytorch as pl
-from lightning.pytorch.plugins.environments import (
-    LightningEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
 
 from lightning_dist.config.environment import env_int, launcher
 
@@ -106,6 +102,9 @@ def lightning_environment() -> list[Any]:
     shell must not make Lightning read its ranks from SLURM; nor under torchrun started by srun (one agent per node),
     where Lightning would look at SLURM's variables first.
     """
+    # deferred: runs in a rank, where Lightning is loaded; the launcher never needs it (test_layering: DEFERRED)
+    from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
     kind = launcher()
     if kind == "slurm":
         return [SLURMEnvironment(auto_requeue=False)]
@@ -120,6 +119,7 @@ class SharedFolderCheck:
     """A Lightning callback running :func:`check_shared_folder` at setup (built lazily: no Lightning import here)."""
 
     def __new__(cls, folder: Path) -> Any:
+        import lightning.pytorch as pl  # deferred: built in a rank (test_layering: DEFERRED)
 
         class _SharedFolderCheck(pl.Callback):
             def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

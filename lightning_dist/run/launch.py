@@ -7,10 +7,14 @@ launching process's environment and working directory plus the torchrun-style va
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) so Lightning sees processes created externally and does not
 launch again. When a rank fails or dies, the others are terminated and :class:`RankFailedError` says which rank
 and why: a dead rank never leaves the job hanging.
+
+The launching process itself needs neither torch nor Lightning (the standard library starts the ranks); what runs in
+a rank imports torch there, where the forkserver has loaded it already.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -28,10 +32,6 @@ from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 from lightning_dist._compat import run_atexit_handlers
 from lightning_dist.callbacks import heartbeat
 from lightning_dist.config import environment
@@ -40,10 +40,12 @@ from lightning_dist.errors import LightningDistError, restart_would_repeat
 #: How long ranks get to reach a step boundary and save after the launcher forwarded a signal.
 SHUTDOWN_GRACE_S = 300.0
 
-#: Imported once by the forkserver, so that every rank starts with them loaded.
-_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.run.fit"]
+#: Imported once by the forkserver, so that every rank starts with them loaded: what a training rank imports, and
+#: what each rank's re-run of ``lightning-dist-train`` (the main script, as multiprocessing does) imports.
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.run.fit", "lightning_dist.run.train"]
 
-#: Environment variables that mark a process as one rank of a job started by someone else (torchrun, SLURM, us).
+#: ``prctl(PR_SET_PDEATHSIG)``: the signal a rank gets when the process that forked it dies (Linux).
+_PR_SET_PDEATHSIG = 1
 
 
 class RankFailedError(LightningDistError, RuntimeError):
@@ -128,15 +130,14 @@ def launch(
     }
     with tempfile.TemporaryDirectory(prefix="lightning-dist-") as tmp:
         results = Path(tmp)
-        context = mp.start_processes(
-            _run_rank,
-            args=(fn, args, env, os.getcwd(), threads, results),
-            nprocs=nprocs,
-            start_method=_start_method(),
-            join=False,
-        )
-        with _forward_signals(context.processes):
-            _wait_for_ranks(context.processes, results, exit_grace_s)
+        context = multiprocessing.get_context(_start_method())
+        processes = []
+        for rank in range(nprocs):
+            rank_args = (rank, fn, args, env, os.getcwd(), threads, results)
+            processes.append(context.Process(target=_start_rank, args=rank_args, daemon=False))
+            processes[-1].start()
+        with _forward_signals(processes):
+            _wait_for_ranks(processes, results, exit_grace_s)
         return [pickle.loads((results / f"{rank}.out").read_bytes()) for rank in range(nprocs)]
 
 
@@ -258,9 +259,25 @@ def _stop(process: Any) -> None:
         process.join()
 
 
+def _start_rank(local_rank: int, *rank_args: Any) -> None:
+    """A rank's first call, as ``torch.multiprocessing``'s spawn wrapper makes it: the rank gets SIGINT when the process
+    that forked it dies, an interrupt ends it quietly, and an exception (recorded by :func:`_run_rank`) exits with 1,
+    its traceback in the rank's ``.err`` file rather than on the job's stderr."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
+    try:
+        _run_rank(local_rank, *rank_args)
+    except KeyboardInterrupt:
+        pass  # SIGINT: stopped by its parent
+    except Exception:
+        sys.exit(1)
+
+
 def _run_rank(
     local_rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], cwd: str, threads: int, results: Path
 ) -> None:
+    import torch  # deferred: loaded in the rank already (the forkserver's preload), never in the launcher
+
     os.environ.clear()  # the server's environment is the one it started with: take the launching process's
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
@@ -310,6 +327,8 @@ def _exit_without_finalization() -> None:
     dead (seen in CI on pipeline tests, pytorch/pytorch#179291). So: close the process groups, run the atexit
     handlers while the interpreter is whole (W&B, logging), flush, and leave with ``os._exit``.
     """
+    import torch.distributed as dist  # deferred: loaded in the rank already, never in the launcher
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     run_atexit_handlers()

@@ -2,6 +2,10 @@
 
 One job = compose the config, check the layout, start the ranks ourselves (so Hydra multiruns work: see
 :mod:`lightning_dist.run.launch`), run Lightning's ``Trainer.fit`` on every rank, and print where things went.
+
+This process (the launcher) checks the config and starts the ranks without importing what the ranks run (torch,
+Lightning, the model): the ranks fork from a server that has those loaded (``launch``), and what only a rank or a
+restart needs is imported by the function that needs it.
 """
 
 from __future__ import annotations
@@ -19,14 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE
-from lightning_dist.checkpoint.store import latest_checkpoint
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.validate import ValidRun, validate
-from lightning_dist.plan.estimate_run import predicted_and_measured
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
-from lightning_dist.run.fit import fit
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
@@ -77,7 +78,7 @@ def run(cfg: TrainConfig) -> RunResult:
     start = time.perf_counter()
     if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
         preflight(cfg, dims)
-        result = fit(valid)
+        result = _fit(valid)
         if result.preempted and cfg.cluster.slurm.requeue:
             slurm.requeue()
     else:
@@ -89,11 +90,24 @@ def run(cfg: TrainConfig) -> RunResult:
     return result
 
 
+def _fit(valid: ValidRun) -> RunResult:
+    """What each rank runs (a rank :func:`launch` started, or this process under torchrun / ``srun``): Lightning's
+    ``Trainer.fit``; rank 0 adds the planner's prediction for the report, where torch and the model are loaded."""
+    # deferred: a rank has these loaded (the forkserver's preload); the launcher never imports them (test_layering)
+    from lightning_dist.plan.estimate_run import predicted_and_measured
+    from lightning_dist.run.fit import fit
+
+    result = fit(valid)
+    if is_global_zero():
+        result.prediction = predicted_and_measured(valid.cfg, valid.dims, result.to_dict())
+    return result
+
+
 def _write_report(valid: ValidRun, result: RunResult) -> None:
     """``report.json`` always; ``report.html`` and its PNGs unless ``trainer.report=false``."""
     cfg, dims = valid.cfg, valid.dims
     result.ranks = _rank_rows(dims, result.rank_layouts)
-    result.prediction, result.hardware = predicted_and_measured(cfg, dims, result.to_dict()), cfg.hardware.name
+    result.hardware = cfg.hardware.name
     write_summary(Path(result.output_dir), result.to_dict())
     if cfg.trainer.report:
         result.report = str(render(Path(result.output_dir)))
@@ -125,10 +139,13 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
     out_dir = Path(cfg.output_dir)
     for attempt in range(cfg.trainer.max_restarts + 1):
         try:
-            return launch(fit, cfg.cluster.devices, valid)[0]
+            return launch(_fit, cfg.cluster.devices, valid)[0]
         except RankFailedError as err:
             if attempt == cfg.trainer.max_restarts or err.will_repeat:
                 raise
+            # deferred: only a restart reads the checkpoint store (torch); a run that succeeds never imports it
+            from lightning_dist.checkpoint.store import latest_checkpoint
+
             latest = latest_checkpoint(out_dir / "checkpoints")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
             line = (

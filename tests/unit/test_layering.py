@@ -1,5 +1,6 @@
 """The package reads as a map: imports only go down the layers, there are no import circles, and a function-local
-import is kept only for an optional dependency (each says so in a comment).
+import is kept for an optional dependency, or for a heavy module the launcher's process must not load (each says so
+in a comment).
 
 Layers, lowest first (README, Design): what a module may import is its own layer and the ones below.
 """
@@ -33,6 +34,28 @@ LAYERS: dict[str, int] = {
 #: Optional dependencies a function may import locally (each such import says why in a comment on its line or above).
 OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich", "safetensors", "tokenizers",
             "datasets", "wandb")  # fmt: skip
+#: Heavy modules (torch, Lightning, and ours that import them) that a module on the launcher's path imports inside the
+#: one function that needs them: ``lightning-dist-train`` checks a config and starts the ranks without them (its ranks
+#: fork from a server that has them loaded), and only the configs, restarts or ranks that use them pay for them.
+#: importer -> what it may import so; each such import says why in a comment. Down the layers as any import.
+DEFERRED: dict[str, tuple[str, ...]] = {
+    "lightning_dist.config.environment": ("torch",),  # CUDA devices, for cluster.accelerator=gpu / auto
+    "lightning_dist.config.pretrained": ("lightning_dist.checkpoint.weights",),  # model.pretrained only
+    "lightning_dist.config.shapes": ("lightning_dist.models.hf",),  # model=hf only
+    "lightning_dist.config.validate": (
+        "lightning_dist.config.resume",  # a checkpoint or weights to start from
+        "lightning_dist.data.datamodule",  # the built-in data
+        "lightning_dist.models.gpt_parallel",  # tp > 1
+    ),
+    "lightning_dist.parallel_dims": ("torch.distributed.device_mesh",),  # a rank builds the mesh
+    "lightning_dist.run.cluster": ("lightning.pytorch", "lightning.pytorch.plugins.environments"),  # in a rank
+    "lightning_dist.run.launch": ("torch", "torch.distributed"),  # in a rank
+    "lightning_dist.run.train": (
+        "lightning_dist.checkpoint.store",  # a restart
+        "lightning_dist.plan.estimate_run",  # in rank 0
+        "lightning_dist.run.fit",  # in a rank
+    ),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -139,7 +162,7 @@ def test_function_local_imports_are_for_optional_dependencies_only() -> None:
             continue  # each private API is imported where it is used: a release that moves one breaks only its user
         lines = path.read_text().splitlines()
         for name, line, inner in _imports(path, module):
-            if not inner or name.split(".")[0] in OPTIONAL:
+            if not inner or name.split(".")[0] in OPTIONAL or name in DEFERRED.get(module, ()):
                 continue
             local[f"{path.relative_to(PACKAGE.parent)}:{line} {lines[line - 1].strip()}"] = None
     assert not local, f"{len(local)} function-local imports of required modules:\n" + "\n".join(local)

@@ -1,0 +1,104 @@
+"""What a model config says about the model without building it: its blocks, its vocabulary and longest sequence, the
+transformers config of ``model=hf``, and the GPT shape the planner estimates it as.
+
+Plain Python for the built-in GPT, so the pre-launch check (:mod:`lightning_dist.config.validate`) reads a GPT's
+shape without torch; ``model=hf`` needs transformers, imported where asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_dist import _compat
+from lightning_dist.config.pretrained import pretrained_folder
+from lightning_dist.config.schema import HFModelConfig
+from lightning_dist.models.gpt_config import GPTConfig
+
+
+def num_blocks(model: Any) -> int | None:
+    """Blocks a pipeline can split the model into, where the config says (None for a user's own module)."""
+    if isinstance(model, GPTConfig):
+        return model.n_layers
+    if isinstance(model, HFModelConfig):
+        return hf_config(model).num_hidden_layers
+    return None
+
+
+def hf_config(model: HFModelConfig) -> Any:
+    """The transformers config of ``model=hf``: ``model.config`` (a built-in tiny one, or read from a local path),
+    else the pretrained folder's, else ``tiny_llama``. Never downloaded."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("model=hf needs transformers; pip install 'lightning-dist[hf]'.") from None
+
+    # deferred: the built-in tiny configs live with the HuggingFace adapter (torch, Lightning); only model=hf reads
+    # them, and the launcher checks any other model without importing those (test_layering: DEFERRED)
+    from lightning_dist.models.hf import TINY_CONFIGS
+
+    name = model.config if model.config is not None or model.pretrained is not None else "tiny_llama"
+    if name in TINY_CONFIGS:
+        class_name, kwargs = TINY_CONFIGS[name]
+        config = getattr(transformers, class_name)(**kwargs)
+    elif name is None:
+        config = transformers.AutoConfig.from_pretrained(pretrained_folder(model.pretrained), local_files_only=True)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+        except OSError as err:
+            raise ValueError(
+                f"model.config={name!r} is neither a built-in tiny config ({', '.join(TINY_CONFIGS)}) nor a "
+                f"local transformers config ({str(err).splitlines()[0]}); give a directory holding config.json."
+            ) from None
+    _compat.set_attn_implementation(config, model.attn_implementation)
+    return config
+
+
+#: HuggingFace model types whose layout the built-in GPT's ``arch=llama`` has (the planner estimates them as it).
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+
+
+def planned_model(model: Any) -> GPTConfig:
+    """The built-in GPT shape the planner estimates ``model`` as: the GPT's own config, or a Llama-family
+    HuggingFace model's (``model=hf``: same parameters, activations and collectives per block).
+
+    Raises:
+        ValueError: A model the planner has no shape for (a user's module, a HuggingFace model of another family).
+    """
+    if isinstance(model, GPTConfig):
+        return model
+    if isinstance(model, HFModelConfig):
+        config = hf_config(model)
+        if config.model_type not in LLAMA_LIKE:
+            raise ValueError(
+                f"the planner models Llama-family HuggingFace models ({', '.join(LLAMA_LIKE)}); model.config is a "
+                f"{config.model_type!r}; plan with model=llama_8b-like GPT shapes instead."
+            )
+        heads = config.num_attention_heads
+        return GPTConfig(
+            arch="llama",
+            vocab_size=config.vocab_size,
+            n_layers=config.num_hidden_layers,
+            d_model=config.hidden_size,
+            n_heads=heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            ffn_hidden=config.intermediate_size,
+            max_seq_len=config.max_position_embeddings,
+            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+            norm_eps=config.rms_norm_eps,
+            tie_embeddings=bool(config.tie_word_embeddings),
+        )
+    raise ValueError(
+        f"the planner models the built-in GPT and Llama-family HuggingFace models, not {type(model).__name__}; plan "
+        "a GPT of the same shape (model=llama_8b, ... with model.* set)."
+    )
+
+
+def vocab_and_length(model: Any) -> tuple[int | None, int | None]:
+    """The model's vocabulary size and longest sequence, where its config says (``None`` for a user's module)."""
+    if isinstance(model, GPTConfig):
+        return model.vocab_size, model.max_seq_len
+    if isinstance(model, HFModelConfig):
+        config = hf_config(model)
+        return config.vocab_size, getattr(config, "max_position_embeddings", None)
+    return None, None
