@@ -8,6 +8,11 @@ the text of its message.
 
 from __future__ import annotations
 
+#: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
+#: Here rather than beside :class:`~lightning_dist.callbacks.preemption.Preemption`, so the launcher that returns it
+#: does not import the callback's torch and Lightning.
+PREEMPTED_EXIT_CODE = 75
+
 #: Exception classes outside :class:`LightningDistError` whose failure a restart would only repeat: a bad value
 #: found on a rank (a config value, a data path, a model that cannot be split) is just as bad on the next start.
 REPEATING: tuple[type[BaseException], ...] = (ValueError,)

@@ -1,10 +1,42 @@
 """Lightning callbacks that keep a long run safe, for the app and for your own ``Trainer``: periodic, published
 checkpoints (:class:`RunCheckpoints`), preemption signals (:class:`Preemption`) and hang detection
-(:class:`Heartbeat`), and a progress bar that reads the loss only on logging steps (:class:`LoggedLossBar`)."""
+(:class:`Heartbeat`), and a progress bar that reads the loss only on logging steps (:class:`LoggedLossBar`).
 
-from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
-from lightning_dist.callbacks.heartbeat import Heartbeat
-from lightning_dist.callbacks.preemption import Preemption
-from lightning_dist.callbacks.progress import LoggedLossBar
+The callbacks need Lightning and are imported on first use (PEP 562): the launcher of ``lightning-dist-train``
+imports :mod:`.beat_file` (the heartbeat file it reads), and importing a submodule runs this file first, so an eager
+import here would load Lightning into a process that never builds a ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
+    from lightning_dist.callbacks.heartbeat import Heartbeat
+    from lightning_dist.callbacks.preemption import Preemption
+    from lightning_dist.callbacks.progress import LoggedLossBar
+
+#: Public name -> the module that defines it, imported on first use.
+_LAZY = {
+    "Heartbeat": "lightning_dist.callbacks.heartbeat",
+    "InitWeights": "lightning_dist.callbacks.checkpoints",
+    "LoggedLossBar": "lightning_dist.callbacks.progress",
+    "Preemption": "lightning_dist.callbacks.preemption",
+    "RunCheckpoints": "lightning_dist.callbacks.checkpoints",
+}
 
 __all__ = ["Heartbeat", "InitWeights", "LoggedLossBar", "Preemption", "RunCheckpoints"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_dist.callbacks import heartbeat
+from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
@@ -23,7 +23,7 @@ class InitWeights(pl.Callback):
         self.path = Path(path)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with heartbeat.busy(trainer.global_step):
+        with beat_file.busy(trainer.global_step):
             load_weights(self.path, pl_module)
 
 
@@ -100,7 +100,7 @@ class RunCheckpoints(pl.Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             remove(partial)
         trainer.strategy.barrier()
-        with heartbeat.busy(step):  # a save may take minutes: the launcher must not take it for a hang
+        with beat_file.busy(step):  # a save may take minutes: the launcher must not take it for a hang
             trainer.save_checkpoint(partial)
         view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
         future = view.pending_save if view is not None else None
@@ -123,7 +123,7 @@ class RunCheckpoints(pl.Callback):
         """Wait for the write in flight (every rank, its own), then publish it."""
         if self._pending is None:
             return
-        with heartbeat.busy(trainer.global_step):
+        with beat_file.busy(trainer.global_step):
             self._pending[0].result()  # raises what the write raised
             trainer.strategy.barrier()
         if trainer.is_global_zero:

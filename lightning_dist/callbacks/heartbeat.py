@@ -2,61 +2,27 @@
 
 A rank that stops making progress (a frozen process, a deadlock in a collective) would otherwise hold the job until
 the collective timeout (10 minutes). Each rank writes its step and an allowed silence to a file the launcher gave it
-(``LIGHTNING_DIST_HEARTBEAT``); the launcher ends the job when a file is older than the silence it allows
-(:func:`lightning_dist.launch.launch`). The allowance is ``hang_timeout_s`` when set, else ``factor`` times the
-slowest step seen so far with a floor; the first steps (compilation, warm-up), validation, checkpoint saves and the
-end of training (final save, teardown) are allowed ``busy_s``.
+(``LIGHTNING_DIST_HEARTBEAT``; the file's format and the functions that write and read it are
+:mod:`lightning_dist.callbacks.beat_file`, which the launcher imports without Lightning); the launcher ends the job
+when a file is older than the silence it allows (:func:`lightning_dist.run.launch.launch`). The allowance is
+``hang_timeout_s`` when set, else ``factor`` times the slowest step seen so far with a floor; the first steps
+(compilation, warm-up), validation, checkpoint saves and the end of training (final save, teardown) are allowed
+``busy_s``.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
-ENV = "LIGHTNING_DIST_HEARTBEAT"
-BUSY_S = 1800.0
+from lightning_dist.callbacks.beat_file import BUSY_S, beat, busy_until
 
-
-def beat(step: int, allowed_s: float) -> None:
-    """Record that this rank is alive at ``step`` and may be silent for ``allowed_s`` (no-op without a launcher)."""
-    path = os.environ.get(ENV)
-    if not path:
-        return
-    partial = Path(f"{path}.partial")
-    partial.write_text(f"{step} {allowed_s:.1f}\n")
-    os.replace(partial, path)
-
-
-def read(path: Path) -> tuple[int, float, float] | None:
-    """``(step, allowed_s, age_s)`` of a beat file, or ``None`` before the first beat."""
-    try:
-        step, allowed = path.read_text().split()
-        return int(step), float(allowed), time.time() - path.stat().st_mtime
-    except (OSError, ValueError):
-        return None
-
-
-_busy_until = 0.0  # when the last busy block ended (monotonic): step times are measured from there
-
-
-@contextmanager
-def busy(step: int, allowed_s: float = BUSY_S) -> Iterator[None]:
-    """Allow ``allowed_s`` of silence inside the block (a checkpoint save), then the allowance from before."""
-    global _busy_until
-    path = os.environ.get(ENV)
-    before = read(Path(path)) if path else None
-    beat(step, allowed_s)
-    try:
-        yield
-    finally:
-        _busy_until = time.monotonic()
-        beat(step, before[1] if before is not None else allowed_s)
+# Re-exported (heartbeat.ENV, .busy, .read: their first home); the launcher imports beat_file, without Lightning.
+from lightning_dist.callbacks.beat_file import ENV as ENV
+from lightning_dist.callbacks.beat_file import busy as busy
+from lightning_dist.callbacks.beat_file import read as read
 
 
 class Heartbeat(pl.Callback):
@@ -107,7 +73,7 @@ class Heartbeat(pl.Callback):
             return  # a gradient-accumulation micro batch
         now = time.monotonic()
         if step - self._start_step > 1:  # the first step's time is compilation and warm-up, not a step
-            since = max(self._last_time, _busy_until)  # a save in between is not step time
+            since = max(self._last_time, busy_until())  # a save in between is not step time
             self._slowest = max(self._slowest, (now - since) / (step - self._last_step))
         self._last_step, self._last_time = step, now
         warming_up = step - self._start_step < self.warmup_steps

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist import _compat
+from lightning_dist.errors import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE  # re-exported (its old home)
 
-#: A job's exit code after it stopped for a signal and saved (EX_TEMPFAIL, "try again": a wrapper may requeue it).
-PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 

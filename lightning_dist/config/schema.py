@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lightning_dist.config.environment import run_dir
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
-from lightning_dist.models.optim import OptimConfig
+from lightning_dist.models.optim_config import OptimConfig
 
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
 #: finds them as an editable install does.

@@ -24,7 +24,7 @@ from lightning_dist.config import environment
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.schema import HFModelConfig, ParallelismConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import num_blocks, vocab_and_length
-from lightning_dist.data.config import DataConfig, validate_data_config
+from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions, check_accumulation
@@ -252,10 +252,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
-    # deferred: the data module (torch, Lightning) is imported by the configs that use it (test_layering: DEFERRED)
-    from lightning_dist.data.datamodule import TokenDataModule
-
-    per_rank_batch = TokenDataModule.per_rank_batch_size(data.global_batch_size, dims.dp_size)
+    per_rank_batch = per_rank_batch_size(data.global_batch_size, dims.dp_size)
     if data.kind == "hf":
         validate_data_config(data)
         _check_tokenizer(cfg, vocab)
@@ -270,11 +267,15 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             f"lower data.seq_len or raise model.max_seq_len."
         )
     validate_data_config(data)
-    datamodule = TokenDataModule(data, seed=cfg.seed)  # checks the data seed
+    data_seed(data, cfg.seed)
     if data.kind == "synthetic":
         return per_rank_batch  # made by each rank from the seed: validate_data_config has checked all it reads
+    # deferred: the data module (torch, Lightning) is imported by the configs that read files (test_layering: DEFERRED)
+    from lightning_dist.data.datamodule import TokenDataModule
+
     # Missing / empty / binary-as-text files fail here, before any rank starts; data=hf is tokenized and cached here,
     # once, so the ranks only open the cache.
+    datamodule = TokenDataModule(data, seed=cfg.seed)
     datamodule.setup()
     if data.kind == "tokens":
         for split in ("train", "val"):

@@ -1,4 +1,8 @@
-"""Structured config for the data pipeline."""
+"""Structured config for the data pipeline, and the rules that need only the config (checked before launch).
+
+Plain Python: the launcher of ``lightning-dist-train`` checks a data config, its per-rank batch and its seed without
+the data module's torch and Lightning (:mod:`lightning_dist.data.datamodule` applies the same rules on a rank).
+"""
 
 from __future__ import annotations
 
@@ -117,6 +121,41 @@ def validate_data_config(cfg: Any) -> None:
             )
         if cfg.vocab_size < 1:
             raise ValueError(f"data.vocab_size={cfg.vocab_size} must be >= 1; pass the tokenizer's vocabulary size")
+
+
+def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
+    """Derives the per-rank batch size.
+
+    Args:
+        global_batch_size: Samples per optimizer step over all data-parallel ranks.
+        num_replicas: Data-parallel world size.
+
+    Returns:
+        ``global_batch_size // num_replicas``.
+
+    Raises:
+        ValueError: If ``global_batch_size`` is not a positive multiple of ``num_replicas``.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"data-parallel size {num_replicas} must be >= 1; check the strategy's parallel sizes")
+    if global_batch_size < num_replicas or global_batch_size % num_replicas:
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
+            f"{num_replicas}; set data.global_batch_size to a multiple of {num_replicas}"
+        )
+    return global_batch_size // num_replicas
+
+
+def data_seed(cfg: Any, seed: int) -> int:
+    """The seed of data generation and shuffling: ``cfg.seed``, else the run's ``seed``.
+
+    Raises:
+        ValueError: If it is negative.
+    """
+    value = int(cfg.seed if cfg.seed is not None else seed)
+    if value < 0:
+        raise ValueError(f"data seed {value} must be >= 0; pass a non-negative seed (data.seed=...)")
+    return value
 
 
 def _validate_hf(cfg: Any) -> None:

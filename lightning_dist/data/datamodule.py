@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
-from lightning_dist.data.config import DataConfig, validate_data_config
+from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.files import TextDataset, TokenDataset
 from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
@@ -52,35 +52,15 @@ class TokenDataModule(pl.LightningDataModule):
         super().__init__()
         validate_data_config(cfg)
         self.cfg = cfg
-        self.seed = int(cfg.seed if cfg.seed is not None else seed)
-        if self.seed < 0:
-            raise ValueError(f"data seed {self.seed} must be >= 0; pass a non-negative seed (data.seed=...)")
+        self.seed = data_seed(cfg, seed)
         self._chain: MarkovChain | None = None
         self._datasets: dict[str, Dataset] = {}
         self._resume_step = 0  # optimizer steps already taken by the checkpoint this run resumes from
 
     @staticmethod
     def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
-        """Derives the per-rank batch size.
-
-        Args:
-            global_batch_size: Samples per optimizer step over all data-parallel ranks.
-            num_replicas: Data-parallel world size.
-
-        Returns:
-            ``global_batch_size // num_replicas``.
-
-        Raises:
-            ValueError: If ``global_batch_size`` is not a positive multiple of ``num_replicas``.
-        """
-        if num_replicas < 1:
-            raise ValueError(f"data-parallel size {num_replicas} must be >= 1; check the strategy's parallel sizes")
-        if global_batch_size < num_replicas or global_batch_size % num_replicas:
-            raise ValueError(
-                f"data.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
-                f"{num_replicas}; set data.global_batch_size to a multiple of {num_replicas}"
-            )
-        return global_batch_size // num_replicas
+        """``global_batch_size // num_replicas``, checked (:func:`lightning_dist.data.config.per_rank_batch_size`)."""
+        return per_rank_batch_size(global_batch_size, num_replicas)
 
     @property
     def chain(self) -> MarkovChain | None:

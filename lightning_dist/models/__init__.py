@@ -1,5 +1,32 @@
-"""The reference GPT, its parallel plans and the LightningModule that trains it."""
+"""The reference GPT, its parallel plans and the LightningModule that trains it.
 
-from lightning_dist.models.gpt import GPT, GPTConfig
+``GPTConfig`` is plain Python; ``GPT`` needs torch and is imported on first use (PEP 562), so checking a config
+(which imports :mod:`.gpt_config` and :mod:`.optim_config`, and so this file first) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_dist.models.gpt_config import GPTConfig
+
+if TYPE_CHECKING:
+    from lightning_dist.models.gpt import GPT
+
+#: Public name -> the module that defines it, imported on first use.
+_LAZY = {"GPT": "lightning_dist.models.gpt"}
 
 __all__ = ["GPT", "GPTConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -26,7 +26,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "full", "selective")
+# Re-exported (activation_checkpoint.MODES, its first home, as check_mode above): the names are plain Python in
+# ac_modes.py, which ParallelOptions (and so the launcher) checks without torch.
+from lightning_dist.parallel.ac_modes import MODES as MODES
+from lightning_dist.parallel.ac_modes import OP_POLICY_NAMES, check_mode
 
 #: Ops whose outputs selective (op-level) checkpointing keeps: the matmuls and attention kernels.
 _SAVED_OPS = {
@@ -43,17 +46,6 @@ _SAVED_OPS = {
     if hasattr(torch.ops.aten, name)
 }
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-
-def check_mode(mode: str, selective: str) -> None:
-    """Raise a one-line error for an unknown mode or selective option."""
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} is unknown; use one of {', '.join(MODES)}.")
-    if mode == "selective" and selective not in OP_POLICIES and not (selective.isdigit() and int(selective) >= 1):
-        raise ValueError(
-            f"ac_selective={selective!r}: use 'op' (keep matmul outputs), 'op_half' (keep every other matmul output) "
-            "or a block interval n >= 1 (every n-th block fully checkpointed)."
-        )
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, selective: str = "op") -> None:
@@ -95,8 +87,8 @@ def _keep_every_other_matmul() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-#: ``ac_selective`` values that choose an op-level policy.
-OP_POLICIES = {"op": _keep_matmuls, "op_half": _keep_every_other_matmul}
+#: ``ac_selective`` values that choose an op-level policy (their names: ``ac_modes.OP_POLICY_NAMES``).
+OP_POLICIES = dict(zip(OP_POLICY_NAMES, (_keep_matmuls, _keep_every_other_matmul), strict=True))
 
 
 def _checkpoint_forward(block: nn.Module, context_fn: Any) -> None:

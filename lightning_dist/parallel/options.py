@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from lightning_dist.parallel import pipeline
-from lightning_dist.parallel.activation_checkpoint import check_mode as check_ac_mode
+from lightning_dist.parallel import schedules
+from lightning_dist.parallel.ac_modes import check_mode as check_ac_mode
 
 if TYPE_CHECKING:
     from lightning_dist.parallel_dims import ParallelDims
@@ -79,7 +79,7 @@ class ParallelOptions:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
         if self.split_points is not None and not isinstance(self.split_points, tuple):
             object.__setattr__(self, "split_points", tuple(self.split_points) or None)
-        object.__setattr__(self, "schedule", pipeline.resolve_schedule(self.schedule, self.stages_per_rank))
+        object.__setattr__(self, "schedule", schedules.resolve_schedule(self.schedule, self.stages_per_rank))
         check_ac_mode(self.activation_checkpointing, self.ac_selective)
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(
@@ -130,7 +130,7 @@ class ParallelOptions:
     def check_microbatches(self, pp: int, prefix: str = "", per_rank_batch: int | None = None) -> None:
         """The pipeline's microbatches against its schedule (torch's own requirements) and the per-rank batch."""
         try:
-            pipeline.check_microbatches(
+            schedules.check_microbatches(
                 self.schedule, self.num_microbatches(pp), pp, self.stages_per_rank, per_rank_batch
             )
         except ValueError as err:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel.pipeline import SCHEDULES, check_microbatches
+from lightning_dist.parallel.schedules import SCHEDULES, check_microbatches
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.cost import Estimate, estimate
 from lightning_dist.plan.layout import Layout

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist._compat import run_atexit_handlers
-from lightning_dist.callbacks import heartbeat
+from lightning_dist.callbacks import beat_file
 from lightning_dist.config import environment
 from lightning_dist.errors import LightningDistError, restart_would_repeat
 
@@ -231,7 +231,7 @@ def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
     A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
     oldest is named (the one that stopped first, or one of those waiting on it).
     """
-    beats = {rank: heartbeat.read(results / f"{rank}.beat") for rank in ranks}
+    beats = {rank: beat_file.read(results / f"{rank}.beat") for rank in ranks}
     silent = {rank: beat for rank, beat in beats.items() if beat is not None and beat[2] > beat[1]}
     if not silent:
         return
@@ -280,7 +280,7 @@ def _run_rank(
 
     os.environ.clear()  # the server's environment is the one it started with: take the launching process's
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    os.environ[heartbeat.ENV] = str(results / f"{local_rank}.beat")
+    os.environ[beat_file.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
     _exit_with_launcher(int(env[environment.OURS_ENV]))
 

@@ -22,10 +22,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.validate import ValidRun, validate
+from lightning_dist.errors import PREEMPTED_EXIT_CODE
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally

@@ -44,7 +44,7 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     "lightning_dist.config.shapes": ("lightning_dist.models.hf",),  # model=hf only
     "lightning_dist.config.validate": (
         "lightning_dist.config.resume",  # a checkpoint or weights to start from
-        "lightning_dist.data.datamodule",  # the built-in data
+        "lightning_dist.data.datamodule",  # data=text / tokens / hf: their files are read before launch
         "lightning_dist.models.gpt_parallel",  # tp > 1
     ),
     "lightning_dist.parallel_dims": ("torch.distributed.device_mesh",),  # a rank builds the mesh
