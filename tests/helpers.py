@@ -63,8 +63,8 @@ def losses(result: dict[str, Any], key: str = "train/loss") -> list[float]:
 class GradNorms:
     """A Lightning callback recording the global gradient norm of every optimizer step.
 
-    Our mesh strategies log it (``train/grad_norm``, over every axis); elsewhere (one process, DDP: whole gradients on
-    every rank) it is computed here, before the optimizer step.
+    Our strategies log it (``train/grad_norm``, over every axis); elsewhere (Lightning's own strategies: whole
+    gradients on every rank) it is computed here, before the optimizer step.
     """
 
     def __new__(cls):  # a pl.Callback built lazily, so this module imports without Lightning
@@ -72,6 +72,7 @@ class GradNorms:
         import torch
 
         from lightning_dist import MeshStrategy
+        from lightning_dist.strategies import DataParallelStrategy
 
         class _GradNorms(pl.Callback):
             def __init__(self) -> None:
@@ -79,7 +80,7 @@ class GradNorms:
                 self._local: float | None = None
 
             def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-                if not isinstance(trainer.strategy, MeshStrategy):
+                if not isinstance(trainer.strategy, (MeshStrategy, DataParallelStrategy)):
                     grads = [p.grad.detach().float().norm() for p in pl_module.parameters() if p.grad is not None]
                     self._local = float(torch.linalg.vector_norm(torch.stack(grads)))
 

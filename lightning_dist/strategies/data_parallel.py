@@ -6,7 +6,10 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_dist import _compat
@@ -19,7 +22,8 @@ from lightning_dist.strategies.loaders import LoaderOrderMixin
 class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     """Lightning's ``DDPStrategy`` (its C++ reducer, its hooks), except for data order: a loader's own sampler is
     dealt out by rank (global batch k = one process's batch k at world-size x the batch) instead of being replaced
-    by a shuffling ``DistributedSampler``. The app's ``parallelism=ddp``.
+    by a shuffling ``DistributedSampler``. The app's ``parallelism=ddp``. As the mesh strategies, it clips by the
+    norm the non-finite guard computes and logs it as ``train/grad_norm`` on logging steps.
     """
 
     strategy_name = "data_parallel"
@@ -42,11 +46,24 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.take_over_loaders(trainer)
+        # The guard needs the gradient norm anyway: clip with it rather than let Lightning compute it a second time
+        # (a foreach norm over every gradient: ~3% of a d_model 256 step on CPU). Only for Lightning's own norm
+        # clipping: a module that clips its own way (configure_gradient_clipping) or by value is left to Lightning.
+        self._clip_val = None
+        by_norm = trainer.gradient_clip_algorithm in (None, GradClipAlgorithmType.NORM)
+        own = is_overridden("configure_gradient_clipping", trainer.lightning_module)
+        if trainer.gradient_clip_val is not None and by_norm and not own:
+            self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
         super().setup(trainer)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()
-        norm = global_grad_norm(self.lightning_module.parameters())  # all-reduced gradients: the same on every rank
+        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
+        norm = global_grad_norm(params)  # all-reduced gradients: the same on every rank
+        if self._clip_val is not None and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self._clip_val, norm, foreach=True)
+        if _compat.logs_this_step(self.lightning_module.trainer):  # as the mesh strategies
+            self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         apply = partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs)
         return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)
