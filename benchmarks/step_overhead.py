@@ -175,6 +175,26 @@ def run_library(valid: Any) -> RankResult:
     return RankResult(clock.starts, [float(_local(loss)) for loss in clock.losses])
 
 
+def run_lightning(valid: Any) -> RankResult:
+    """``--lightning`` (ddp): Lightning alone: its ``DDPStrategy``, the app's module and data with no logging, no
+    callbacks but the clock, Lightning's own clipping (1.0). Separates Lightning's per-step cost from ours."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dist.config.build import build_datamodule, build_module
+
+    cfg = copy.deepcopy(valid.cfg)
+    module, datamodule, clock = build_module(cfg), build_datamodule(cfg), StepClock()
+    module.training_step = lambda batch, batch_idx: module.compute_loss(batch)  # the same math, nothing logged
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=cfg.trainer.max_steps, gradient_clip_val=1.0, logger=False, callbacks=[clock],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    return RankResult(clock.starts, [float(_local(loss)) for loss in clock.losses])
+
+
 _MESHES: dict[str, Any] = {}
 
 
@@ -286,7 +306,10 @@ def run_rank(bench: Bench, variants: dict[str, Any], rounds: int) -> dict[str, l
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             valid = variants[name]
-            result = run_plain(valid, bench.layout) if name == "plain" else run_library(valid)
+            if name in ("plain", "lightning"):
+                result = run_plain(valid, bench.layout) if name == "plain" else run_lightning(valid)
+            else:
+                result = run_library(valid)
             results[name].append(result)
             gc.collect()  # the previous run's model, optimizer and DDP reducer, outside anyone's timed steps
             dist.barrier()
@@ -323,13 +346,17 @@ def global_losses(per_rank: list[RankResult]) -> list[float]:
     return [statistics.fmean(step) for step in zip(*holding)]
 
 
-def measure(layout: str, model: str, telemetry: str, rounds: int, steps: int, warmup: int) -> Measured:
+def measure(
+    layout: str, model: str, telemetry: str, rounds: int, steps: int, warmup: int, lightning: bool = False
+) -> Measured:
     """Launch 2 ranks for ``layout`` and run the variants interleaved; ``telemetry``: on, off or both."""
     bench = Bench(layout, model, warmup, steps)
     modes = {"on": [True], "off": [False], "both": [True, False]}[telemetry]
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as out:
         variants = {f"library {'on' if on else 'off'}": compose_valid_run(bench.overrides(on), out) for on in modes}
         variants["plain"] = variants[next(iter(variants))]
+        if lightning and layout == "ddp":
+            variants["lightning"] = variants["plain"]
         per_rank = launch(run_rank, 2, bench, variants, rounds, threads_per_rank=1)
     medians: dict[str, list[float]] = {}
     means: dict[str, list[float]] = {}
@@ -375,11 +402,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run (a multiple of 10)")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--lightning", action="store_true", help="ddp: add Lightning's own DDPStrategy, no callbacks")
     args = parser.parse_args()
     layouts = LAYOUTS if "all" in args.layout else args.layout
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 2 ranks x 1 thread, gloo")
     for layout in layouts:
-        report(measure(layout, args.model, args.telemetry, args.rounds, args.steps, args.warmup))
+        report(measure(layout, args.model, args.telemetry, args.rounds, args.steps, args.warmup, args.lightning))
 
 
 if __name__ == "__main__":
