@@ -21,10 +21,8 @@ always runs first):
   count the app resolved (``1F1B``, 2 for ``conf/parallelism/pp.yaml``); the norm's squares are summed over the
   pipeline ranks (one all-reduce) before ``clip_grads_with_norm_``. It logs nothing and reads nothing back per step.
 
-Models: ``tiny`` = GPT d_model=32, 1 layer, 2 heads, 1 kv head, vocab 256 (global batch 8 x 32 tokens): the step is
-nearly all fixed host cost. Two layouts need more: tp=2 needs kv heads divisible by 2 (so 2 kv heads) and pp=2 a
-block per stage (so 2 layers); the table prints the model each layout ran. ``d256`` = d_model=256, 4 layers, 8 heads
-(8 kv heads), vocab 256 (global batch 8 x 128 tokens).
+Models (``MODELS``, ``DATA``): ``tiny``, whose step is nearly all fixed host cost (tp=2 needs 2 kv heads, pp=2 two
+blocks: the table prints the model each layout ran), and ``d256``.
 
 Step time is start-to-start of consecutive batches on rank 0 (``on_train_batch_start`` / the top of the plain loop),
 so it includes data loading and everything done between batches; the first ``--warmup`` steps are skipped. Per run
@@ -32,7 +30,6 @@ the median and the mean over the timed steps; the table gives the median over ro
 "typical" step; the mean also counts what happens on one step in ``log_every_n_steps`` (logging, Telemetry's sampled
 comm timing), so keep ``--steps`` a multiple of 10. ``paired`` = the median over rounds of the ratio within a round.
 First/last-step losses (mean over ranks holding one) are printed: the variants must compute the same thing.
-
 Results (2026-11-24, 2-core VM, 5 rounds): README.md, "Benchmarks", "Per-step overhead and start-up".
 """
 
@@ -102,24 +99,15 @@ class Bench:
         """Command-line overrides of ``lightning-dist-train`` for this run."""
         batch, seq = DATA[self.model]
         model = [f"model.{k}={v}" for k, v in self.model_overrides().items()]
+        # One epoch holds every step: an epoch boundary inside the timed steps would cost the library one step.
         return [
-            "logger=none",
-            "trainer.enable_checkpointing=false",
-            "trainer.num_sanity_val_steps=0",
-            "trainer.limit_val_batches=0",
-            "trainer.report=false",
-            "trainer.enable_progress_bar=false",
-            f"parallelism={self.layout}",
-            f"trainer.telemetry={str(telemetry).lower()}",
-            f"trainer.max_steps={self.num_batches}",
-            *model,
-            "model.max_seq_len=256",
-            f"data.global_batch_size={batch}",
-            f"data.seq_len={seq}",
-            # One epoch holds every step: an epoch boundary inside the timed steps would cost the library one step.
-            f"data.num_train_samples={(self.num_batches + 1) * batch}",
-            "data.num_val_samples=16",
-        ]
+            "logger=none", "trainer.enable_checkpointing=false", "trainer.num_sanity_val_steps=0",
+            "trainer.limit_val_batches=0", "trainer.report=false", "trainer.enable_progress_bar=false",
+            f"parallelism={self.layout}", f"trainer.telemetry={str(telemetry).lower()}",
+            f"trainer.max_steps={self.num_batches}", *model, "model.max_seq_len=256",
+            f"data.global_batch_size={batch}", f"data.seq_len={seq}",
+            f"data.num_train_samples={(self.num_batches + 1) * batch}", "data.num_val_samples=16",
+        ]  # fmt: skip
 
 
 def compose_valid_run(overrides: list[str], output_dir: str) -> Any:

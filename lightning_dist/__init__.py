@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from lightning_dist.lazy import lazy_exports
+
 if TYPE_CHECKING:
     from lightning_dist.contract import ParallelModule
     from lightning_dist.parallel.pipeline import PipelineSpec
@@ -48,16 +50,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

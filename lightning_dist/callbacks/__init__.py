@@ -9,8 +9,9 @@ import here would load Lightning into a process that never builds a ``Trainer``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_dist.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
@@ -30,13 +31,4 @@ _LAZY = {
 __all__ = ["Heartbeat", "InitWeights", "LoggedLossBar", "Preemption", "RunCheckpoints"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -7,10 +7,10 @@ a config does not import them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_dist.data.config import DataConfig
+from lightning_dist.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from lightning_dist.data.datamodule import TokenDataModule, build_datamodule
@@ -26,13 +26,4 @@ _LAZY = {
 __all__ = ["DataConfig", "MarkovChain", "TokenDataModule", "build_datamodule"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_dist.lazy import lazy_exports
 from lightning_dist.models.gpt_config import GPTConfig
 
 if TYPE_CHECKING:
@@ -20,13 +20,4 @@ _LAZY = {"GPT": "lightning_dist.models.gpt"}
 __all__ = ["GPT", "GPTConfig"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -7,8 +7,9 @@ submodule runs this file first, so an eager import here would load torch into a 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_dist.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from lightning_dist.telemetry.callback import Telemetry
@@ -28,13 +29,4 @@ _LAZY = {
 __all__ = ["CommTracker", "LossHistory", "OpStats", "Telemetry", "axis_groups_from_mesh", "register_ddp_comm_hook"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

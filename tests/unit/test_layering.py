@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_dist"
 #: Top-level name (module or folder of lightning_dist) -> layer.
 LAYERS: dict[str, int] = {
     "_compat": 0,
+    "lazy": 0,
     "errors": 0,
     "parallel_dims": 0,
     "parallel": 1,  # model-agnostic parallelism: no Lightning, no model code
