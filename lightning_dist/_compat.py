@@ -5,7 +5,8 @@ When one of these moves in a new release, this is the only file to change.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +27,13 @@ def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMe
 
 
 def disable_inference_mode(trainer) -> None:
-    """Run Lightning's validation loops under ``no_grad`` instead of ``inference_mode``.
+    """Run Lightning's validation, test and predict loops under ``no_grad`` instead of ``inference_mode``.
 
     DTensor rejects inference tensors; ``Trainer(inference_mode=False)`` does the same for every loop, but a
     strategy cannot change the Trainer's constructor arguments, so it flips the loops' private flag.
     """
-    for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+    loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    for loop in loops:
         loop.inference_mode = False
 
 
@@ -277,6 +279,20 @@ def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]],
 
 
 # ----------------------------------------------------------------------------------------------- Lightning data
+@contextmanager
+def pipeline_outputs_only(schedule: Any) -> Iterator[None]:
+    """Run a pipeline schedule's ``eval()`` for its last stage's outputs alone, computing no loss.
+
+    torch 2.13's ``eval()`` calls the schedule's loss function on every microbatch whenever the schedule has one (it
+    then needs targets); the private ``_loss_fn`` is what ``_maybe_compute_loss`` checks.
+    """
+    loss_fn, schedule._loss_fn = schedule._loss_fn, None
+    try:
+        yield
+    finally:
+        schedule._loss_fn = loss_fn
+
+
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 
@@ -287,6 +303,25 @@ def take_over_distributed_sampler(trainer: Any) -> bool:
     was_on = bool(connector.use_distributed_sampler)
     connector.use_distributed_sampler = False
     return was_on
+
+
+def predict_batch_sampler(dataloader: Any) -> Any | None:
+    """The ``BatchSampler`` inside the index-recording wrapper Lightning puts on a predict loader, else ``None``.
+
+    Lightning's predict loop re-creates the loader with its batch sampler wrapped (``_IndexBatchSamplerWrapper``,
+    for ``BasePredictionWriter``'s batch indices), so the loader has no ``batch_size`` of its own.
+    """
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+    wrapper = dataloader.batch_sampler
+    return wrapper._batch_sampler if isinstance(wrapper, _IndexBatchSamplerWrapper) else None
+
+
+def set_predict_sampler(dataloader: Any, sampler: Any) -> None:
+    """Give the predict loader's wrapped ``BatchSampler`` a new sampler (the wrapper keeps a copy of its attributes;
+    both are Lightning's fresh objects for this loop, not the user's)."""
+    wrapper = dataloader.batch_sampler
+    wrapper._batch_sampler.sampler = wrapper.sampler = sampler
 
 
 def update_dataloader(dataloader: Any, sampler: Any) -> Any:

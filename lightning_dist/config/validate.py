@@ -27,7 +27,7 @@ from lightning_dist.config.shapes import num_blocks, vocab_and_length
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions, check_accumulation
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
@@ -324,15 +324,15 @@ def split_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None
 
     Without pp, the per-rank batch runs as ``per_rank / micro_batch_size`` forwards whose gradients Lightning
     accumulates (synced on the last one). Under pp the micro batches are the pipeline's microbatches, all run by the
-    schedule in one training step (as Megatron does): accumulation is what a pipeline does already. Resolving a
-    resolved config gives the same split.
+    schedule in one training step (as Megatron does): accumulation is what a pipeline does already. With a user's
+    DataModule a loader batch is one forward (under pp one schedule step) and Lightning accumulates
+    ``accumulate_grad_batches`` of them. Resolving a resolved config gives the same split.
     """
     par, accumulate = cfg.parallelism, cfg.trainer.accumulate_grad_batches
     if accumulate < 1:
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be >= 1.")
     unchanged = BatchSplit(getattr(cfg.data, "micro_batch_size", None), accumulate, par.microbatches)
-    if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch
-        check_accumulation(accumulate, dims.pp, prefix="parallelism.", trainer_prefix="trainer.")
+    if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch (a schedule step, pp)
         return unchanged
     data, micro = cfg.data, cfg.data.micro_batch_size
     where = f"the per-rank batch {per_rank_batch} (data.global_batch_size={data.global_batch_size} / dp={dims.dp_size})"

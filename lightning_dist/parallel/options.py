@@ -137,23 +137,6 @@ class ParallelOptions:
             raise ValueError(f"{prefix}{err}") from None  # the same message, named as the caller's field
 
 
-def check_accumulation(accumulate: int, pp: int, prefix: str = "", trainer_prefix: str = "") -> None:
-    """Lightning's gradient accumulation under a pipeline: refused, the pipeline accumulates over its microbatches.
-
-    Args:
-        accumulate: ``accumulate_grad_batches``.
-        pp: Pipeline degree.
-        prefix: Put before the layout's names in the message (``"parallelism."``).
-        trainer_prefix: Put before ``accumulate_grad_batches`` (``"trainer."``).
-    """
-    if accumulate > 1 and pp > 1:
-        raise ValueError(
-            f"{trainer_prefix}accumulate_grad_batches={accumulate} with {prefix}pp={pp}: a pipeline accumulates over "
-            f"its microbatches; make your loader's batch {accumulate}x larger and set {prefix}microbatches to the "
-            "number of micro batches it holds."
-        )
-
-
 def compile_with_tp_error(tp: int, prefix: str = "") -> str:
     """Why compile and tensor parallelism are refused together (on torch 2.13; seen on CPU, every TP plan we have)."""
     return (

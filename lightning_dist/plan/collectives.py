@@ -185,7 +185,13 @@ def step_collectives(
     if world == DP:
         world = "dp_shard" if ds > 1 else "dp_replicate"
     if lay.world > 1 and loop:
-        add(world, "all_reduce", 4, 3, "the preemption flag; train/loss sync_dist and the loss history (logging)")
+        add(world, "all_reduce", 4, 1, "the preemption flag")
+        # Logging steps' train/loss sync_dist and loss history: over the data-parallel ranks (strategies/metrics.py).
+        logged = "train/loss sync_dist and the loss history (logging)"
+        if lay.dims.model_parallel_size == 1:
+            add(world, "all_reduce", 4, 2, logged)
+        elif lay.dims.dp_size > 1:
+            add(DP, "all_reduce", 4, 2, logged)
 
     sp = lay.sequence_parallel
     roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]

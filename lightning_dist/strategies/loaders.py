@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning.fabric.utilities.data import has_iterable_dataset
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_dist import _compat
 from lightning_dist.data.samplers import DataParallelSampler, seed_unseeded_shuffle
@@ -26,10 +26,17 @@ class LoaderOrderMixin:
     """
 
     _shard_loaders = False
+    _taken_over_from: Any = None  # the Trainer whose sampler injection this strategy turned off
 
     def take_over_loaders(self, trainer: Any) -> None:
-        """Shard loaders here instead of Lightning, where Lightning would have (``use_distributed_sampler=True``)."""
-        self._shard_loaders = _compat.take_over_distributed_sampler(trainer)
+        """Shard loaders here instead of Lightning, where Lightning would have (``use_distributed_sampler=True``).
+
+        Decided once per Trainer: ``setup`` runs again for ``validate`` / ``test`` / ``predict`` after ``fit``, when
+        the Trainer's flag is already off (by us), and those loaders must still be dealt out.
+        """
+        if self._taken_over_from is not trainer:
+            self._shard_loaders = _compat.take_over_distributed_sampler(trainer)
+            self._taken_over_from = trainer
 
     def process_dataloader(self, dataloader: object) -> object:
         """Deal the loader's own index stream out by data-parallel rank.
@@ -51,6 +58,12 @@ class LoaderOrderMixin:
         num_replicas, rank = kwargs["num_replicas"], kwargs["rank"]
         if num_replicas == 1:
             return dataloader  # tp / pp peers read the same batches: the loader's own order, untouched
+        inner = _compat.predict_batch_sampler(dataloader)
+        if type(inner) is BatchSampler:  # Lightning's predict loop: deal out the sampler inside its index recorder
+            DataParallelSampler.check_tail(inner.sampler, inner.batch_size, num_replicas, inner.drop_last, False)
+            share = DataParallelSampler(inner.sampler, inner.batch_size, num_replicas, rank)
+            _compat.set_predict_sampler(dataloader, share)
+            return dataloader
         if dataloader.batch_size is None:
             raise ValueError(
                 f"A DataLoader with a custom batch_sampler ({type(dataloader.batch_sampler).__name__}) cannot be "

@@ -33,16 +33,19 @@ from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
 from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.parallel.options import ParallelOptions, check_accumulation
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
+from lightning_dist.strategies.metrics import DataParallelMetricsMixin
 from lightning_dist.strategies.stages import PipelineStages
 
 
-class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy):
+class MeshStrategy(
+    DataParallelMetricsMixin, GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy
+):
     """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
 
     Example::
@@ -168,7 +171,6 @@ class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchH
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         name = type(self).__name__
-        check_accumulation(trainer.accumulate_grad_batches, self.parallel_dims.pp)
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: {name} clips by the "
@@ -194,6 +196,7 @@ class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchH
             # Once, at start-up: every rank's layout for describe(all_ranks=True) (a small object per rank).
             self._layouts = [None] * self.world_size
             torch.distributed.all_gather_object(self._layouts, self._layout)
+        self.sync_metrics_over_data_parallel(self.lightning_module)
         _compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -327,11 +330,11 @@ class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchH
                 return self._pipeline.routed.test_step(*args, **kwargs)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # The loss of a loss-parallel step is a replicated DTensor; Lightning's sync_dist reduces plain tensors.
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():  # calling the model runs the pipeline (stages.py)
+            return self._pipeline.routed.predict_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -341,7 +344,8 @@ class MeshStrategy(GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchH
             module = self.lightning_module
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self._pipeline.restore_grads()
+            # Lightning divides the loss by accumulate_grad_batches before backward; the schedule's gradients too.
+            self._pipeline.restore_grads(scale=1.0 / module.trainer.accumulate_grad_batches)
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
         else:

@@ -6,7 +6,10 @@ with :func:`lightning_dist.parallel.compose.parallelize` like a whole model, and
 view of it whose ``compute_loss`` calls the schedule (:attr:`PipelineStages.routed`; the user's instance is left as
 it is): forward and backward of every microbatch run inside the training step,
 the loss (mean over microbatches) is broadcast from the loss stage so every rank logs the true loss, and the
-strategy's backward only hands the schedule's gradients back. Validation runs the schedule's forward-only path.
+strategy's backward only hands the schedule's gradients back (scaled and added up under gradient accumulation).
+Validation, test and predict run the schedule's forward-only path: ``self.compute_loss(batch)`` gives the loss, and
+calling the model (``self(x)``, ``self.model(x)``) gives the last stage's outputs, sent to every pipeline rank, so
+the module's own ``validation_step`` / ``predict_step`` code (metrics included) runs as in one process.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from lightning_dist import _compat
 from lightning_dist._compat import module_children
 from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline, tied
@@ -67,6 +72,7 @@ class PipelineStages:
         self.ties: list[tied.StageTie] = []  # weights shared with other stages' ranks (see parallel/tied.py)
         self.norm_exclude: set[int] = set()  # ids of tied copies the gradient norm must not count again
         self._stepped = False  # the schedule ran in this training step (and backward has not taken its gradients)
+        self._output_meta: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # inputs' shapes -> outputs' shape
 
     @classmethod
     def build(
@@ -169,8 +175,12 @@ class PipelineStages:
         left as they are. The strategy calls the module's ``training_step`` / ``validation_step`` on it.
         """
         cls = type(self.module)
-        run_schedule = self.compute_loss
-        members = {"compute_loss": lambda _self, batch: run_schedule(batch), "__qualname__": cls.__qualname__}
+        run_schedule, model = self.compute_loss, PipelinedModel(self)
+        members = {
+            "compute_loss": lambda _self, batch: run_schedule(batch),
+            self.spec.model_attr: property(lambda _self: model),  # before nn.Module's lookup of its children
+            "__qualname__": cls.__qualname__,
+        }
         routed_cls = type(cls.__name__, (cls,), {**members, "__module__": cls.__module__})
         view = routed_cls.__new__(routed_cls)
         object.__setattr__(view, "__dict__", self.module.__dict__)
@@ -190,6 +200,7 @@ class PipelineStages:
         kwargs["losses"] = losses
         if self.module.training and torch.is_grad_enabled():
             params = [p for p in self.module.parameters() if p.requires_grad]
+            earlier = [p.grad for p in params]  # earlier micro steps' gradients (accumulating): put back below
             for param in params:
                 param.grad = None  # the schedule accumulates into .grad
             with self.bubble.step(), self._stage_contract():
@@ -197,14 +208,10 @@ class PipelineStages:
             # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
             self._grads = [(p, p.grad) for p in params]
             self._stepped = True
-            for param in params:
-                param.grad = None
+            for param, grad in zip(params, earlier):
+                param.grad = grad
         else:
-            if self.schedule_name in pipeline.V_SCHEDULES:
-                raise ValueError(
-                    f"schedule={self.schedule_name}: torch 2.13's eval() fails for V schedules; "
-                    "disable validation (limit_val_batches=0, num_sanity_val_steps=0) or use Interleaved1F1B."
-                )
+            self._check_eval()
             with self._stage_contract():
                 self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
         if losses is not None:
@@ -212,6 +219,57 @@ class PipelineStages:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self._device)
         return pipeline.broadcast_loss(loss, self._loss_src, self._pp_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        """The whole model's output for a whole batch (forward only, no loss), the same on every pipeline rank.
+
+        What calling the model in a step hook runs under pp (:class:`PipelinedModel`): the last stage's output
+        (merged over microbatches, a DTensor made whole) is broadcast from the loss stage. Its shape is sent once per
+        input shape; keyword arguments go to the first stage.
+
+        Raises:
+            RuntimeError: Called with gradients enabled (``training_step``): the schedule runs forward and backward
+                together, in ``self.compute_loss(batch)``.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(self.module).__name__} called its model (self(...) or self.{self.spec.model_attr}(...)) with "
+                f"gradients enabled under pp={self._pp}: a pipeline runs forward and backward together, so compute "
+                "the training loss with self.compute_loss(batch); calling the model works in validation, test and "
+                "predict steps (and under torch.no_grad())."
+            )
+        self._check_eval()
+        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, Tensor)]
+        if not tensors:
+            raise ValueError(f"the pipelined {self.spec.model_attr} was called without a tensor input (a batch).")
+        pipeline.check_microbatches(
+            self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=tensors[0].shape[0]
+        )
+        with _compat.pipeline_outputs_only(self.schedule), self._stage_contract():
+            outputs = self.schedule.eval(*(args if self._owns_first else ()), **(kwargs if self._owns_first else {}))
+        if outputs is not None:
+            if not isinstance(outputs, Tensor):
+                raise ValueError(
+                    f"the last pipeline stage returned a {type(outputs).__name__}; a stage must return one tensor."
+                )
+            outputs = _local(outputs).contiguous()
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if key not in self._output_meta:  # a host read, once per input shape: the other ranks allocate the outputs
+            meta = [(tuple(outputs.shape), outputs.dtype) if outputs is not None else None]
+            dist.broadcast_object_list(meta, group=self._pp_group, group_src=self._loss_src)
+            self._output_meta[key] = meta[0]
+        if outputs is None:
+            shape, dtype = self._output_meta[key]
+            outputs = torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(outputs, group=self._pp_group, group_src=self._loss_src)
+        return outputs
+
+    def _check_eval(self) -> None:
+        if self.schedule_name in pipeline.V_SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule_name}: torch 2.13's eval() fails for V schedules; disable validation "
+                "(limit_val_batches=0, num_sanity_val_steps=0), or use Interleaved1F1B for validate / test / predict."
+            )
 
     @contextmanager
     def _stage_contract(self) -> Iterator[None]:
@@ -238,8 +296,13 @@ class PipelineStages:
                 "lightning_dist.models.hf.HFCausalLM."
             ) from err
 
-    def restore_grads(self) -> None:
-        """Put back the gradients the schedule computed in the last training step (called from backward).
+    def restore_grads(self, scale: float = 1.0) -> None:
+        """Hand back the gradients the schedule computed in the last training step (called from backward).
+
+        Args:
+            scale: Multiplies them before they are added to the gradients already there: ``1 / k`` under
+                ``accumulate_grad_batches=k`` (Lightning divides the loss by ``k`` before backward), so k schedule
+                steps add up to the gradient of their mean loss, as in one process.
 
         Raises:
             RuntimeError: The training step did not run the schedule (its ``training_step`` called the model itself,
@@ -252,10 +315,35 @@ class PipelineStages:
                 "be trained; compute the loss with self.compute_loss(batch) in training_step and return it."
             )
         self._stepped = False
+        earlier = []
         for param, grad in self._grads:
+            earlier.append(param.grad)
             param.grad = grad
-        self._grads = []
         tied.sum_grads(self.ties)  # a weight shared across stages gets the sum of its uses, as in one process
+        for (param, _), grad in zip(self._grads, earlier):
+            if param.grad is not None and scale != 1.0:
+                param.grad.mul_(scale)
+            if grad is not None:  # an earlier micro step's: add this one's (the tie summed once per micro step)
+                param.grad = grad.add_(param.grad) if param.grad is not None else grad
+        self._grads = []
+
+
+class PipelinedModel:
+    """``self.<model_attr>`` as a module's step hooks see it under pp: calling it runs :meth:`PipelineStages.forward`.
+
+    Any other attribute is the real model's (this rank's stages), so ``self.model.config`` and the like still read.
+    """
+
+    def __init__(self, stages: PipelineStages) -> None:
+        self._stages = stages
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self._stages.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_stages":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._stages.spec.model(self._stages.module), name)
 
 
 def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:

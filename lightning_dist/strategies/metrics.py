@@ -1,0 +1,55 @@
+"""Logged values and torchmetrics metrics count each sample once: reduced over the data-parallel ranks only.
+
+Ranks that differ only in their ``tp`` / ``pp`` coordinates read the same batch and log the same values (a pipeline
+sends its loss and outputs to every stage). Reducing over every rank, as Lightning and torchmetrics do by default,
+would count each sample ``tp x pp`` times in a sum, a count or a concatenation; a mean hides it.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
+
+from lightning_dist.parallel_dims import ParallelDims
+
+
+class DataParallelMetricsMixin:
+    """For a Lightning strategy with ``parallel_dims``: ``sync_dist`` and metrics reduce over the ``dp`` group."""
+
+    parallel_dims: ParallelDims
+
+    @cached_property
+    def dp_group(self) -> torch.distributed.ProcessGroup:
+        """This rank's data-parallel process group (``dp_replicate`` x ``dp_shard``): the ranks with other batches."""
+        return self.parallel_dims.group("dp")
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``sync_dist``: over the data-parallel group unless ``group`` is given (none at ``dp=1``)."""
+        if isinstance(tensor, DTensor):  # the loss of a loss-parallel step is a replicated DTensor
+            tensor = tensor.full_tensor()
+        if group is None and self.parallel_dims.model_parallel_size > 1:
+            if self.parallel_dims.dp_size == 1:
+                return tensor  # every rank holds the same batch: nothing to reduce
+            group = self.dp_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+    def sync_metrics_over_data_parallel(self, module: torch.nn.Module) -> None:
+        """Make each torchmetrics ``Metric`` of ``module`` that syncs over all ranks sync over the ``dp`` group."""
+        if self.parallel_dims.model_parallel_size == 1:
+            return
+        for metric in module.modules():
+            # process_group None: torchmetrics' world group; a group or gather function of the user's is kept.
+            if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                if self.parallel_dims.dp_size == 1:
+                    metric.dist_sync_fn = _own_states  # every rank holds the same samples: nothing to gather
+                else:
+                    metric.process_group = self.dp_group
+
+
+def _own_states(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """A torchmetrics ``dist_sync_fn`` that gathers nothing: this rank's state is the whole state."""
+    return [tensor]
