@@ -50,6 +50,12 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     ),
     "lightning_dist.parallel_dims": ("torch.distributed.device_mesh",),  # a rank builds the mesh
     "lightning_dist.run.cluster": ("lightning.pytorch", "lightning.pytorch.plugins.environments"),  # in a rank
+    "lightning_dist.run.entry": (  # each console script, once the app's packages are known to be installed
+        "lightning_dist.plan.cli",
+        "lightning_dist.run.reproduce",
+        "lightning_dist.run.train",
+        "lightning_dist.telemetry.report",
+    ),
     "lightning_dist.run.launch": ("torch", "torch.distributed"),  # in a rank
     "lightning_dist.run.train": (
         "lightning_dist.checkpoint.store",  # a restart
