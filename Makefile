@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# The oldest torch the unit and distributed tiers pass on (`make test-torch-floor`; README, "Install").
+TORCH_FLOOR ?= 2.13.0
 ifeq ($(HAS_GPU),1)
-TORCH_SPEC ?= torch>=2.6
+TORCH_SPEC ?= torch>=$(TORCH_FLOOR)
 else
 TORCH_SPEC ?= torch==2.13.0
 endif
@@ -15,7 +17,7 @@ PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all test-unit test-distributed reproduce lint format benchmark clean
+.PHONY: install train test test-all test-unit test-distributed test-torch-floor reproduce lint format benchmark clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +50,13 @@ test-unit: install
 
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed $(PYTEST_ARGS)
+
+# The floor in pyproject.toml, checked: a separate environment with torch==$(TORCH_FLOOR) (the CPU build where no GPU
+# is present: TORCH_INDEX=https://download.pytorch.org/whl/cpu for a version the registry has only as a CUDA build).
+test-torch-floor:
+	$(MAKE) VENV=.venv-floor TORCH_SPEC="torch==$(TORCH_FLOOR)" install
+	.venv-floor/bin/python -c "import torch; print('torch', torch.__version__)"
+	.venv-floor/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests/unit tests/distributed $(PYTEST_ARGS)
 
 # Every CPU recipe against its golden file (loss per step, resumed at half; tokens/s and memory within bands).
 reproduce: install

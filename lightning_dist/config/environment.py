@@ -33,6 +33,37 @@ def launcher(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+def launcher_sizes(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``(processes on this node, nodes)`` as torchrun or ``srun`` started this job; ``None`` under another launcher.
+
+    The launcher states these already (``--nproc-per-node`` / ``--ntasks-per-node`` and the world size); the config
+    takes them instead of asking for them a second time.
+    """
+    kind = launcher(env)
+    if kind == "torchrun":
+        local, world = env_int(env.get("LOCAL_WORLD_SIZE")), env_int(env.get("WORLD_SIZE"))
+    elif kind == "slurm":
+        local, world = slurm_tasks_on_node(env), env_int(env.get("SLURM_NTASKS"))
+    else:
+        return None
+    if not local or not world or world % local:
+        return None  # uneven nodes: left to the preflight check, which names the numbers
+    return local, world // local
+
+
+def slurm_tasks_on_node(env: Mapping[str, str] = os.environ) -> int:
+    """``SLURM_TASKS_PER_NODE`` for this node ("8(x2)" or "8,8"), 0 where SLURM did not start us."""
+    if launcher(env) != "slurm":
+        return 0
+    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in text.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [env_int(count)] * (env_int(repeat.rstrip(")")) or 1)
+    node = env_int(env.get("SLURM_NODEID"))
+    return counts[node] if node < len(counts) else 0
+
+
 def restart_count(env: Mapping[str, str] = os.environ) -> int:
     """How many times the external launcher restarted this job (torchrun ``--max-restarts``, a SLURM requeue)."""
     kind = launcher(env)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 from hydra.utils import get_class
 
@@ -91,6 +93,9 @@ def validate(cfg: TrainConfig) -> ValidRun:
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
     cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
+    _adopt_launcher_sizes(cluster)
+    if cluster.collective_timeout_s <= 0:
+        raise ValueError(f"cluster.collective_timeout_s={cluster.collective_timeout_s} must be > 0 (seconds).")
     if cluster.launcher not in ("local", "slurm"):
         raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
     if environment.should_submit(cluster):
@@ -110,6 +115,21 @@ def validate(cfg: TrainConfig) -> ValidRun:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         trainer.enable_progress_bar = sys.stdout.isatty()
     return ValidRun(cfg=cfg, dims=dims, options=options)
+
+
+def _adopt_launcher_sizes(cluster: Any) -> None:
+    """Under torchrun / ``srun`` the processes per node and the nodes are the launcher's: taken, not asked again."""
+    stated = environment.launcher_sizes()
+    if stated is None or stated == (cluster.devices, cluster.num_nodes):
+        return
+    if environment.is_global_zero():
+        print(
+            f"cluster.devices={stated[0]} cluster.num_nodes={stated[1]}: as {environment.launcher()} started the job "
+            f"(the config said {cluster.devices} x {cluster.num_nodes})",
+            file=sys.stderr,
+            flush=True,
+        )
+    cluster.devices, cluster.num_nodes = stated
 
 
 def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
@@ -150,6 +170,7 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             on_nonfinite=cfg.trainer.on_nonfinite,
             async_save=cfg.checkpoint.async_save,
             process_group_backend=cfg.cluster.process_group_backend,
+            timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
         )
     except ValueError as err:  # the same message, named as the config field
         group = "trainer." if str(err).startswith("on_nonfinite") else "parallelism."

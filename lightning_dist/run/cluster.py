@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config.environment import env_int, launcher
+from lightning_dist.config.environment import env_int, launcher, slurm_tasks_on_node
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
@@ -26,7 +26,7 @@ def preflight(cfg: Any, dims: Any, env: Mapping[str, str] = os.environ) -> None:
         ValueError: Processes on this node, world size, tensor-parallel placement, master address or port.
     """
     kind, c = launcher(env), cfg.cluster
-    local = env_int(env.get("LOCAL_WORLD_SIZE")) or _slurm_tasks_on_node(env)
+    local = env_int(env.get("LOCAL_WORLD_SIZE")) or slurm_tasks_on_node(env)
     flag = "--nproc-per-node" if kind == "torchrun" else "--ntasks-per-node"
     if local and local != c.devices:
         raise ValueError(
@@ -70,19 +70,6 @@ def check_tensor_parallel_placement(tp: int, devices: int, num_nodes: int) -> No
         )
 
 
-def _slurm_tasks_on_node(env: Mapping[str, str]) -> int:
-    """``SLURM_TASKS_PER_NODE`` for this node ("8(x2)" or "8,8"), 0 where SLURM did not start us."""
-    if launcher(env) != "slurm":
-        return 0
-    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-    counts: list[int] = []
-    for part in text.split(","):
-        count, _, repeat = part.partition("(x")
-        counts += [env_int(count)] * (env_int(repeat.rstrip(")")) or 1)
-    node = env_int(env.get("SLURM_NODEID"))
-    return counts[node] if node < len(counts) else 0
-
-
 def _check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -92,6 +79,21 @@ def _check_port_free(port: int) -> None:
                 f"MASTER_PORT={port} is already in use on {socket.gethostname()} (another job on this node?); "
                 "export another MASTER_PORT in the job script."
             ) from None
+
+
+def enable_flight_recorder(out_dir: Path, accelerator: str, env: MutableMapping[str, str] = os.environ) -> None:
+    """On CUDA, have NCCL record each rank's recent collectives and write them to ``<out_dir>/flight_recorder/``
+    when one times out (``cluster.collective_timeout_s``): which collective each rank was in, and which rank never
+    arrived. Read with ``python -m torch.distributed.flight_recorder.fr_trace <folder> -j``. Variables already set
+    win; gloo (CPU) has no flight recorder. Called in a rank before its process group is created.
+    """
+    if accelerator != "gpu":
+        return
+    folder = out_dir / "flight_recorder"
+    folder.mkdir(parents=True, exist_ok=True)
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # entries kept per rank
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))  # one file per rank: rank_<n>
 
 
 def lightning_environment() -> list[Any]:

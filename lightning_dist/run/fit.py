@@ -17,7 +17,7 @@ from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
 from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.run.cluster import SharedFolderCheck, lightning_environment
+from lightning_dist.run.cluster import SharedFolderCheck, enable_flight_recorder, lightning_environment
 from lightning_dist.run.loggers import build_logger, finish_wandb
 from lightning_dist.run.result import RunResult
 from lightning_dist.strategies import MeshStrategy, build_strategy
@@ -66,6 +66,7 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
     if cfg.cluster.num_nodes > 1:
         all_callbacks.append(SharedFolderCheck(out_dir))
+    enable_flight_recorder(out_dir, cfg.cluster.accelerator)  # before the strategy creates the process group
     trainer = pl.Trainer(
         plugins=lightning_environment(),
         accelerator=cfg.cluster.accelerator,

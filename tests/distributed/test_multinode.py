@@ -51,20 +51,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_two_nodes_give_the_one_process_curve(layout: list[str], one_process: list[float], tmp_path: Path) -> None:
-    finish(torchrun_nodes([*RUN, *layout, "cluster.num_nodes=2", "cluster.devices=2"], tmp_path))
+    # cluster.devices / cluster.num_nodes are not repeated: torchrun states them (2 per node, 2 nodes).
+    stderrs = finish(torchrun_nodes([*RUN, *layout, "cluster.devices=1"], tmp_path))
+    assert any("cluster.devices=2 cluster.num_nodes=2: as torchrun started the job" in err for err in stderrs)
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-job7"]  # one folder for both nodes
     with (tmp_path / "outputs" / "torchrun-job7" / "csv" / "metrics.csv").open() as file:
         curve = [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
     np.testing.assert_allclose(curve, one_process, rtol=1e-5)
-
-
-def test_a_node_with_the_wrong_process_count_stops_in_one_line(tmp_path: Path) -> None:
-    """Preflight on every node, before the rendezvous: no hang waiting for ranks that will never come."""
-    agents = torchrun_nodes([*RUN, "cluster.devices=4"], tmp_path, nodes=1)  # torchrun --nproc-per-node=2
-    for agent in agents:
-        _, stderr = agent.communicate(timeout=120)
-        assert agent.returncode != 0
-        assert (
-            "error: torchrun started 2 processes on this node (--nproc-per-node=2) but cluster.devices=4; set "
-            "cluster.devices=2, or --nproc-per-node=4." in stderr
-        ), stderr[-3000:]

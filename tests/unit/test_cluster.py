@@ -291,3 +291,44 @@ def test_the_sweep_launcher_reads_the_cluster() -> None:
     local = compose(config_name="train", overrides=["cluster.devices=2", "hydra/launcher=slurm_local"],
                     return_hydra_config=True).hydra.launcher  # fmt: skip
     assert local._target_.endswith("LocalLauncher") and local.tasks_per_node == 2
+
+
+def test_devices_and_nodes_are_read_from_torchrun_and_srun(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from lightning_dist.config.validate import validate
+
+    assert where.launcher_sizes(TORCHRUN) == (2, 2)  # LOCAL_WORLD_SIZE=2 of WORLD_SIZE=4
+    assert where.launcher_sizes(SRUN) == (2, 2)  # 2(x2) tasks per node, 4 in all
+    assert where.launcher_sizes({"RANK": "0", "WORLD_SIZE": "2"}) is None  # no launcher: the config decides
+    for name in [*SRUN, "MASTER_ADDR", "MASTER_PORT"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**TORCHRUN, "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_config([*FAST, "cluster.devices=1"])  # neither number matches torchrun's: the launcher's win
+    resolved = validate(cfg).cfg
+    assert (resolved.cluster.devices, resolved.cluster.num_nodes) == (2, 2)
+    assert (cfg.cluster.devices, cfg.cluster.num_nodes) == (1, 1)  # the input is left alone
+    assert "cluster.devices=2 cluster.num_nodes=2: as torchrun started the job" in capsys.readouterr().err
+
+
+def test_the_collective_timeout_is_a_config_field() -> None:
+    from datetime import timedelta
+
+    from lightning_dist.config.validate import validate
+
+    assert validate(compose_config([*FAST, "cluster.collective_timeout_s=90"])).options.timeout == timedelta(seconds=90)
+    with pytest.raises(ValueError, match=r"^cluster.collective_timeout_s=0.0 must be > 0"):
+        validate(compose_config([*FAST, "cluster.collective_timeout_s=0"]))
+
+
+def test_the_nccl_flight_recorder_dumps_into_the_run_folder(tmp_path: Path) -> None:
+    env: dict[str, str] = {"TORCH_FR_BUFFER_SIZE": "500"}  # the user's own setting wins
+    cluster.enable_flight_recorder(tmp_path, "gpu", env)
+    assert env == {
+        "TORCH_FR_BUFFER_SIZE": "500",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "flight_recorder" / "rank_"),
+    }
+    assert (tmp_path / "flight_recorder").is_dir()
+    cpu: dict[str, str] = {}
+    cluster.enable_flight_recorder(tmp_path, "cpu", cpu)
+    assert cpu == {}  # gloo has none
