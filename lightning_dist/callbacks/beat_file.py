@@ -39,6 +39,27 @@ def read(path: Path) -> tuple[int, float, float] | None:
         return None
 
 
+def most_silent(beats: dict[int, tuple[int, float, float] | None]) -> tuple[int, int, float, float] | None:
+    """``(rank, step, allowed_s, age_s)`` of the rank silent longest past its allowance, or ``None`` if none is.
+
+    A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
+    oldest is named (the one that stopped first, or one of those waiting on it).
+    """
+    silent = {rank: beat for rank, beat in beats.items() if beat is not None and beat[2] > beat[1]}
+    if not silent:
+        return None
+    rank = max(silent, key=lambda r: silent[r][2])
+    return (rank, *silent[rank])
+
+
+def hung_message(rank: int, step: int, allowed_s: float, age_s: float) -> str:
+    """The one line that names a hung rank (the launcher's and the watchdog's)."""
+    return (
+        f"rank {rank}: hung: no progress for {age_s:.0f} s after step {step} (allowed {allowed_s:.0f} s; "
+        "trainer.hang_timeout_s); the job was stopped"
+    )
+
+
 _busy_until = 0.0  # when the last busy block ended (monotonic): step times are measured from there
 
 

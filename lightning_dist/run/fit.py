@@ -20,6 +20,7 @@ from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.run.cluster import SharedFolderCheck, enable_flight_recorder, lightning_environment
 from lightning_dist.run.loggers import build_logger, finish_wandb
 from lightning_dist.run.result import RunResult
+from lightning_dist.run.watchdog import watch_external_job
 from lightning_dist.strategies import MeshStrategy, build_strategy
 from lightning_dist.telemetry import LossHistory, Telemetry
 from lightning_dist.telemetry.history import merge_telemetry
@@ -91,7 +92,12 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
         default_root_dir=out_dir,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    watchdog = watch_external_job(out_dir)  # torchrun / srun: no launcher of ours reads the heartbeats
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     if cfg.trainer.telemetry:
         merge_telemetry(history.records, telemetry.history)
     metrics = trainer.callback_metrics

@@ -226,28 +226,19 @@ def _wait_for_ranks(processes: list, results: Path, exit_grace_s: float) -> None
 
 
 def _check_heartbeats(processes: list, results: Path, ranks: list[int]) -> None:
-    """End the job when a rank has been silent for longer than it allowed (:mod:`lightning_dist.callbacks.heartbeat`).
-
-    A frozen rank stalls its peers in their next collective, so every beat goes quiet; the rank whose last beat is
-    oldest is named (the one that stopped first, or one of those waiting on it).
-    """
-    beats = {rank: beat_file.read(results / f"{rank}.beat") for rank in ranks}
-    silent = {rank: beat for rank, beat in beats.items() if beat is not None and beat[2] > beat[1]}
-    if not silent:
+    """End the job when a rank has been silent for longer than it allowed (:mod:`lightning_dist.callbacks.heartbeat`;
+    :func:`~lightning_dist.callbacks.beat_file.most_silent` names it)."""
+    silent = beat_file.most_silent({rank: beat_file.read(results / f"{rank}.beat") for rank in ranks})
+    if silent is None:
         return
-    rank = max(silent, key=lambda r: silent[r][2])
-    step, allowed, age = silent[rank]
     for process in processes:
         if process.is_alive():
             process.kill()  # a frozen (SIGSTOP) or deadlocked process does not act on SIGTERM
     for process in processes:
         process.join()
-    raise RankFailedError(
-        rank,
-        f"hung: no progress for {age:.0f} s after step {step} (allowed {allowed:.0f} s; trainer.hang_timeout_s); "
-        "the job was stopped",
-        kind="hung",
-    )
+    rank, step, allowed, age = silent
+    message = beat_file.hung_message(rank, step, allowed, age).removeprefix(f"rank {rank}: ")
+    raise RankFailedError(rank, message, kind="hung")
 
 
 def _stop(process: Any) -> None:

@@ -173,6 +173,38 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_
     assert time.monotonic() - stopped_at < 3 + 30
 
 
+def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> None:
+    """No launcher of ours: the ranks beat into the run folder and local rank 0's watchdog names the frozen rank 1;
+    torchrun's agent then stops every rank (lightning_dist/run/watchdog.py)."""
+    from lightning_dist.callbacks import heartbeat
+
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path / 'run'}"]
+    job = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node=2", "-m", "lightning_dist.run.train", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    beats = tmp_path / "run" / "heartbeats" / "attempt-0"
+    deadline = time.monotonic() + 240
+    while not all((beat := heartbeat.read(beats / f"{rank}.beat")) is not None and beat[0] >= 3 for rank in (0, 1)):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-2000:]
+        time.sleep(0.2)
+    workers = _children(job.pid)  # torchrun's agent starts the ranks as its children
+    (victim,) = [pid for pid in workers if b"LOCAL_RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        _, stderr = job.communicate(timeout=180)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL) if _alive(pid) else None
+    assert job.returncode != 0, stderr[-2000:]
+    assert re.search(r"^error: rank 1: hung: no progress for \d+ s after step \d+ \(allowed 3 s", stderr, re.M), stderr
+    # The bound: the allowance, 1 s polls, torchrun's SIGTERM then SIGKILL of the frozen rank (generous for a busy CI).
+    assert time.monotonic() - stopped_at < 3 + 60
+    assert not [pid for pid in workers if _alive(pid)]
+
+
 @pytest.mark.slow  # the mechanism: tests/distributed/test_launch.py::test_a_rank_ends_when_its_launcher_is_gone
 def test_sigkill_to_the_main_process_leaves_no_rank_behind(tmp_path: Path) -> None:
     """The main process cannot forward SIGKILL: each rank notices its launcher is gone (checked every second)."""

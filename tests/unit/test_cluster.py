@@ -4,6 +4,7 @@ preflight checks a torchrun / srun rank makes alone, each a one-line error."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 from pathlib import Path
@@ -332,3 +333,36 @@ def test_the_nccl_flight_recorder_dumps_into_the_run_folder(tmp_path: Path) -> N
     cpu: dict[str, str] = {}
     cluster.enable_flight_recorder(tmp_path, "cpu", cpu)
     assert cpu == {}  # gloo has none
+
+
+def test_the_watchdog_names_the_rank_silent_past_its_allowance(tmp_path: Path) -> None:
+    import time as clock
+
+    from lightning_dist.callbacks import beat_file
+    from lightning_dist.run.watchdog import Watchdog, watch_external_job
+
+    env = {**TORCHRUN, "RANK": "2", "LOCAL_RANK": "0"}  # node 2 of 2, local rank 0: a watcher
+    dog = watch_external_job(tmp_path, env)
+    assert dog is not None
+    dog.stop()
+    folder = tmp_path / "heartbeats" / "attempt-0"
+    assert env[beat_file.ENV] == str(folder / "2.beat")
+    assert watch_external_job(tmp_path, {**TORCHRUN, "LOCAL_RANK": "1"}) is None  # beats only
+    assert watch_external_job(tmp_path, {"RANK": "0", "WORLD_SIZE": "2"}) is None  # not torchrun / srun
+
+    for rank, (step, allowed) in enumerate([(7, 60.0), (5, 3.0)]):
+        (folder / f"{rank}.beat").write_text(f"{step} {allowed}\n")
+    hangs: list[str] = []
+    watchdog = Watchdog(folder, world_size=2, poll_s=0.05, on_hang=hangs.append)
+    assert watchdog.check() is None  # both within their allowance
+    old = clock.time() - 10
+    os.utime(folder / "1.beat", (old, old))  # rank 1 silent for 10 s, allowed 3
+    watchdog.start()
+    deadline = clock.monotonic() + 10
+    while not hangs and clock.monotonic() < deadline:
+        clock.sleep(0.05)
+    watchdog.stop()
+    assert len(hangs) == 1
+    assert re.match(
+        r"^rank 1: hung: no progress for 10 s after step 5 \(allowed 3 s; trainer.hang_timeout_s\)", hangs[0]
+    )
