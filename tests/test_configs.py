@@ -105,3 +105,22 @@ def test_global_batch_is_the_only_batch_setting(tmp_path: Path) -> None:
         cfg = compose_config(overrides)
         dims = build_parallel_dims(cfg)
         assert TokenDataModule.per_rank_batch_size(cfg.data.global_batch_size, dims.dp_size) == per_rank
+
+
+def test_a_user_config_folder_on_the_search_path(tmp_path: Path) -> None:
+    """``model/mine.yaml`` in the user's own folder, found through ``hydra.searchpath``, extending a shipped option."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text("defaults:\n  - gpt_tiny\n  - _self_\n\nn_layers: 3\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_dist.run.train", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+         "model=mine", "--cfg", "job"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = yaml.safe_load(done.stdout)["model"]
+    assert (model["n_layers"], model["d_model"], model["n_kv_heads"]) == (3, 64, 2)  # mine's, then gpt_tiny's

@@ -231,12 +231,18 @@ class LoggerConfig:
 
     kind: str = "wandb"
     """wandb, csv or none."""
-    project: str = "lightning-dist"
-    """W&B project."""
+    project: str | None = None
+    """W&B project; None = ``WANDB_PROJECT``, else lightning-dist."""
+    entity: str | None = None
+    """W&B entity (user or team); None = ``WANDB_ENTITY``, else W&B's default."""
+    group: str | None = None
+    """W&B group; None = the sweep (``-m``: every point of one sweep in one group), else none."""
     name: str | None = None
-    """Run name; None = derived from the model, layout and time."""
+    """Run name; None = the model, the layout and the run folder's name (``gpt-llama-d64-L2 fsdp 20-31-07``)."""
     tags: list[str] = field(default_factory=list)
     """W&B tags."""
+    mode: str | None = None
+    """online, offline or disabled; None = offline unless W&B is configured (``WANDB_MODE``, an API key)."""
 
 
 @dataclass
@@ -294,6 +300,9 @@ class TrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     """Seed for initialization, data order and dropout; same seed + global batch = same run on any layout."""
+    objective: str = "val/loss"
+    """What a Hydra sweep (``-m``) optimizes: the last value of this logged metric is the job's return value (NaN for
+    a point that failed, which the sweep survives)."""
     ckpt_path: str | None = None
     """Start from this checkpoint (file or sharded folder) in a new run folder; 'last' = resume=auto."""
     resume: str | None = None

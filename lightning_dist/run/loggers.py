@@ -17,7 +17,8 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lightning_dist import _compat
 from lightning_dist.config.environment import is_global_zero
-from lightning_dist.config.schema import LoggerConfig, TrainConfig
+from lightning_dist.config.schema import HFModelConfig, LoggerConfig, TargetConfig, TrainConfig
+from lightning_dist.models.gpt_config import GPTConfig
 
 
 def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig, continue_from: Path | None = None):
@@ -38,16 +39,44 @@ def build_logger(cfg: LoggerConfig, out_dir: Path, run_cfg: TrainConfig, continu
         return logger
     if cfg.kind == "wandb":
         kwargs: dict[str, Any] = {}
-        if wandb_offline_by_default():
+        if cfg.mode is not None:  # the user's explicit choice
+            kwargs["mode"] = cfg.mode
+        elif wandb_offline_by_default():
             kwargs["offline"] = True
         run_id = _wandb_run_id(out_dir) if continue_from is not None else None
         if run_id is not None:
             kwargs.update(id=run_id, resume="allow")
-        name = cfg.name or f"{run_cfg.parallelism.strategy}-{out_dir.name}"
+        for field in ("entity", "group"):
+            if getattr(cfg, field) is not None:
+                kwargs[field] = getattr(cfg, field)
         return WandbLogger(
-            project=cfg.project, name=name, save_dir=str(out_dir), tags=list(cfg.tags), config=asdict(run_cfg), **kwargs
+            project=wandb_project(cfg),
+            name=cfg.name or run_name(run_cfg, out_dir),
+            save_dir=str(out_dir),
+            tags=list(cfg.tags),
+            config=asdict(run_cfg),
+            **kwargs,
         )
     raise ValueError(f"logger.kind={cfg.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
+
+
+def wandb_project(cfg: LoggerConfig) -> str:
+    """``logger.project``, else ``WANDB_PROJECT``, else ``lightning-dist``."""
+    return cfg.project or os.environ.get("WANDB_PROJECT") or "lightning-dist"
+
+
+def run_name(run_cfg: TrainConfig, out_dir: Path) -> str:
+    """What ran, where: the model, the layout and the run folder's name (``gpt-llama-d64-L2 fsdp 20-31-07``)."""
+    model = run_cfg.model
+    if isinstance(model, GPTConfig):
+        what = f"gpt-{model.arch}-d{model.d_model}-L{model.n_layers}"
+    elif isinstance(model, HFModelConfig):
+        what = Path((model.pretrained or model.config or "hf").rstrip("/")).name
+    elif isinstance(model, TargetConfig):
+        what = model.target.rsplit(".", 1)[-1]
+    else:
+        what = type(model).__name__
+    return f"{what} {run_cfg.parallelism.strategy} {out_dir.name}"
 
 
 def wandb_offline_by_default() -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lightning_dist.config.environment import is_global_zero, should_submit
@@ -43,15 +44,24 @@ def main() -> None:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def _hydra_main(cfg: DictConfig) -> RunResult:
+def _hydra_main(cfg: DictConfig) -> RunResult | float:
+    """One job. In a sweep (``-m``) it returns the value of ``objective`` a sweeper optimizes, and a point that fails
+    (a bad value, a diverging run, a dead rank) is NaN after its one-line error: the sweep goes on."""
     slurm.adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
-    output_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    output_dir = cfg.output_dir or hydra_cfg.runtime.output_dir
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.output_dir = output_dir
+        if sweep and train_cfg.logger.group is None:  # every point of one sweep in one W&B group
+            train_cfg.logger.group = sweep_group(hydra_cfg.sweep.dir)
         result = run(train_cfg)
     except (ValueError, FileNotFoundError, RankFailedError) as err:
-        _fail(err, Path(output_dir))
+        if not sweep:
+            _fail(err, Path(output_dir))
+        _report_failure(err, Path(output_dir))
+        return float("nan")
     if result.preempted:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpointing off)"
         print(
@@ -61,7 +71,27 @@ def _hydra_main(cfg: DictConfig) -> RunResult:
             flush=True,
         )
         sys.exit(PREEMPTED_EXIT_CODE)
-    return result
+    return objective_value(result, cfg.objective) if sweep else result
+
+
+def objective_value(result: RunResult, name: str) -> float:
+    """The last logged value of metric ``name`` (``val/loss``, ``train/loss`` or any key of the history); NaN when the
+    run logged none (a sweeper counts the point as failed)."""
+    if name == "val/loss" and result.val_loss is not None:
+        return float(result.val_loss)
+    if name == "train/loss" and result.train_loss is not None:
+        return float(result.train_loss)
+    values = [record[name] for record in result.history if record.get(name) is not None]
+    if values:
+        return float(values[-1])
+    print(f"warning: objective={name!r} was never logged in {result.output_dir}; returning NaN", file=sys.stderr)
+    return float("nan")
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """The W&B group of a sweep: its folder, e.g. ``multirun/2026-11-24/20-30-00`` -> ``sweep-2026-11-24-20-30-00``."""
+    parts = [part for part in Path(sweep_dir).parts if part not in ("multirun", ".", "..", "/")]
+    return "sweep-" + "-".join(parts[-2:]) if parts else "sweep"
 
 
 def run(cfg: TrainConfig) -> RunResult:
@@ -195,6 +225,12 @@ def _print_summary(result: RunResult) -> None:
 
 
 def _fail(err: Exception, out_dir: Path) -> None:
+    """One line on stderr (the traceback, when there is one, in ``<run dir>/error.log``), then exit 1."""
+    _report_failure(err, out_dir)
+    sys.exit(1)
+
+
+def _report_failure(err: Exception, out_dir: Path) -> None:
     """One line on stderr; the full traceback, when there is one, goes to ``<run dir>/error.log``."""
     message = str(err)
     details = getattr(err, "details", "")
@@ -203,7 +239,6 @@ def _fail(err: Exception, out_dir: Path) -> None:
         (out_dir / "error.log").write_text(details)
         message += f"  (traceback: {out_dir / 'error.log'})"
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 if __name__ == "__main__":
