@@ -298,6 +298,10 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Your Lightning callbacks by name, each built from ``_target_`` and its arguments: ``callbacks=best`` (the best
+    ``val/loss`` checkpoint and early stopping), or ``+callbacks.stop._target_=lightning.pytorch.callbacks.EarlyStopping
+    +callbacks.stop.monitor=val/loss``. A ``ModelCheckpoint`` without ``dirpath`` writes to ``<run>/best``."""
     seed: int = 1234
     """Seed for initialization, data order and dropout; same seed + global batch = same run on any layout."""
     objective: str = "val/loss"

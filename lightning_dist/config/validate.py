@@ -181,6 +181,13 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
 def _check_run_fields(cfg: TrainConfig) -> None:
     """The run's length, logging and checkpoint settings (``trainer.on_nonfinite`` is a ParallelOptions rule)."""
     trainer, every = cfg.trainer, cfg.checkpoint
+    for name, node in cfg.callbacks.items():  # built in each rank; the launcher does not import them (start-up)
+        target = node.get("_target_") if isinstance(node, dict) else None
+        if not isinstance(target, str) or "." not in target:
+            raise ValueError(
+                f"callbacks.{name} has no _target_ (its class's import path); give "
+                f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint and its arguments."
+            )
     for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
         if getattr(trainer, name) < 1:
             raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
 from lightning_dist.callbacks.heartbeat import Heartbeat
@@ -67,6 +69,11 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
     if cfg.cluster.num_nodes > 1:
         all_callbacks.append(SharedFolderCheck(out_dir))
+    users = [instantiate(node) for node in cfg.callbacks.values()]  # callbacks=... / +callbacks.<name>._target_=
+    for callback in users:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+            callback.dirpath = str(out_dir / "best")  # beside checkpoints/, which is ours (RunCheckpoints)
+    all_callbacks += users
     enable_flight_recorder(out_dir, cfg.cluster.accelerator)  # before the strategy creates the process group
     trainer = pl.Trainer(
         plugins=lightning_environment(),
@@ -83,7 +90,8 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         num_sanity_val_steps=cfg.trainer.num_sanity_val_steps,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         gradient_clip_val=cfg.trainer.gradient_clip_val,
-        enable_checkpointing=False,  # ours: RunCheckpoints (Lightning would add its ModelCheckpoint)
+        # Ours: RunCheckpoints. Lightning would add a ModelCheckpoint of its own, and refuses the user's without this.
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in users),
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         logger=logger,
