@@ -11,6 +11,7 @@ the pipeline's last stage (before, each rank returned what its own stage compute
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,16 @@ def _two_ranks(root: str) -> dict[str, Any]:
     }
 
 
+def _four_ranks(root: str) -> dict[str, Any]:
+    """Model parallel beside data parallel: metrics and sync_dist reduce over the dp group (2 of the 4 ranks)."""
+    pp_dp = partial(MeshStrategy, pp=2, dp_shard=2, microbatches=2)
+    tp_dp = partial(MeshStrategy, tp=2, dp_shard=2, plan={"net.0": "colwise", "net.2": "rowwise"})
+    return {
+        "pp2xdp2": _every_entry_point(pp_dp, 4, 2, f"{root}/pp2xdp2"),
+        "tp2xdp2": _every_entry_point(tp_dp, 4, 2, f"{root}/tp2xdp2"),
+    }
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("one")
@@ -173,6 +184,11 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return launch(_two_ranks, 2, str(tmp_path_factory.mktemp("two")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_four_ranks, 4, str(tmp_path_factory.mktemp("four")))
 
 
 def _assert_same(run: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -200,6 +216,13 @@ def test_every_entry_point_equals_one_process(layout: str, two_ranks: list[dict[
         if layout == "fsdp":  # each data-parallel rank predicts its share of the samples
             run = {**run, "predict": {i: p for r in two_ranks for i, p in r[layout]["predict"].items()}}
         _assert_same(run, reference)
+
+
+@pytest.mark.parametrize("layout", ["pp2xdp2", "tp2xdp2"])
+def test_every_entry_point_equals_one_process_on_four_ranks(layout: str, four_ranks, one_process) -> None:
+    for rank in four_ranks:
+        predictions = {i: p for r in four_ranks for i, p in r[layout]["predict"].items()}  # dp ranks' shares
+        _assert_same({**rank[layout], "predict": predictions}, one_process["run"])
 
 
 def test_gradient_accumulation_under_a_pipeline_equals_one_process(two_ranks, one_process) -> None:
