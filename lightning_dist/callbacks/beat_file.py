@@ -9,6 +9,7 @@ importing torch or Lightning, and a checkpoint save marks itself busy (:func:`bu
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from pathlib import Path
 ENV = "LIGHTNING_DIST_HEARTBEAT"
 #: The silence allowed while a rank is busy: the first steps, validation, a save, the end of training.
 BUSY_S = 1800.0
+_HOST = socket.gethostname()
 
 
 def beat(step: int, allowed_s: float) -> None:
@@ -26,15 +28,24 @@ def beat(step: int, allowed_s: float) -> None:
     if not path:
         return
     partial = Path(f"{path}.partial")
-    partial.write_text(f"{step} {allowed_s:.1f}\n")
+    partial.write_text(f"{step} {allowed_s:.1f} {os.getpid()} {_HOST}\n")
     os.replace(partial, path)
 
 
 def read(path: Path) -> tuple[int, float, float] | None:
     """``(step, allowed_s, age_s)`` of a beat file, or ``None`` before the first beat."""
     try:
-        step, allowed = path.read_text().split()
+        step, allowed, *_ = path.read_text().split()
         return int(step), float(allowed), time.time() - path.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+
+
+def writer(path: Path) -> tuple[int, str] | None:
+    """``(pid, host)`` of the process that wrote a beat file, or ``None`` (no beat yet, or an older file)."""
+    try:
+        _, _, pid, host = path.read_text().split()
+        return int(pid), host
     except (OSError, ValueError):
         return None
 

@@ -11,7 +11,10 @@ then stops every rank, and ``--max-restarts`` / a requeue continues from the new
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, MutableMapping
@@ -31,14 +34,16 @@ class Watchdog:
         folder: Where rank ``r`` beats into ``<r>.beat``.
         world_size: Ranks in the job.
         poll_s: Seconds between two reads of every file.
-        on_hang: Called with the one-line message (default: print it and end this process with ``HUNG_EXIT_CODE``).
+        on_hang: Called with the one-line message (default: print it, kill the hung rank if it is on this node, and
+            end this process with ``HUNG_EXIT_CODE``).
     """
 
     def __init__(
         self, folder: Path, world_size: int, poll_s: float = 1.0, on_hang: Callable[[str], None] | None = None
     ) -> None:
         self.folder, self.world_size, self.poll_s = folder, world_size, poll_s
-        self.on_hang = on_hang or _end_process
+        self.on_hang = on_hang or self._end_job
+        self.hung_rank: int | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning-dist-watchdog", daemon=True)
 
@@ -46,7 +51,10 @@ class Watchdog:
         """The message naming a hung rank, or ``None`` while every rank beats within its allowance."""
         beats = {rank: beat_file.read(self.folder / f"{rank}.beat") for rank in range(self.world_size)}
         silent = beat_file.most_silent(beats)
-        return None if silent is None else beat_file.hung_message(*silent)
+        if silent is None:
+            return None
+        self.hung_rank = silent[0]
+        return beat_file.hung_message(*silent)
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -54,6 +62,16 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _end_job(self, message: str) -> None:
+        """Print ``message``; SIGKILL the hung rank if it runs on this node (a frozen or deadlocked process ignores
+        the SIGTERM its launcher sends, which torchrun follows with SIGKILL only 30 s later); exit this process."""
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        writer = beat_file.writer(self.folder / f"{self.hung_rank}.beat")
+        if writer is not None and writer[1] == socket.gethostname() and writer[0] != os.getpid():
+            with contextlib.suppress(OSError):  # gone already
+                os.kill(writer[0], signal.SIGKILL)
+        os._exit(HUNG_EXIT_CODE)  # the main thread may be blocked in a collective: no clean shutdown is possible
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
@@ -85,8 +103,3 @@ def watch_external_job(out_dir: Path, env: MutableMapping[str, str] = os.environ
     if local not in watchers:
         return None
     return Watchdog(folder, world, poll_s=max(1.0, world / 256)).start()  # a read per rank and poll: bounded I/O
-
-
-def _end_process(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    os._exit(HUNG_EXIT_CODE)  # the main thread may be blocked in a collective: no clean shutdown is possible

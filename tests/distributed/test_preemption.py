@@ -200,8 +200,8 @@ def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_p
             os.kill(pid, signal.SIGKILL) if _alive(pid) else None
     assert job.returncode != 0, stderr[-2000:]
     assert re.search(r"^error: rank 1: hung: no progress for \d+ s after step \d+ \(allowed 3 s", stderr, re.M), stderr
-    # The bound: the allowance, 1 s polls, torchrun's SIGTERM then SIGKILL of the frozen rank (generous for a busy CI).
-    assert time.monotonic() - stopped_at < 3 + 60
+    # The bound: the allowance, 1 s polls, the watchdog killing the frozen rank (generous for a busy CI).
+    assert time.monotonic() - stopped_at < 3 + 30
     assert not [pid for pid in workers if _alive(pid)]
 
 
