@@ -12,7 +12,7 @@ rank 0); ``ratio`` is library / plain of those; ``ratio (mean)`` the same for th
 runs on one step in ``log_every_n_steps`` (logging, Telemetry's sampled comm timing). Telemetry rows: on - off,
 paired within a round, mean step. Targets are the issue's.
 
-Results (2026-11-24, 2-core VM): README.md, "Benchmarks", "Per-step overhead and start-up".
+Results (2026-11-24, 2-core VM): docs/benchmarks.md, "Per-step overhead and start-up".
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ this environment as it is (here ``PYTHONDONTWRITEBYTECODE=1`` and no ``__pycache
 process compiles ``lightning_dist`` from source); ``cached`` gives them a bytecode cache of their own
 (``PYTHONPYCACHEPREFIX`` in the temporary folder, filled by the untimed round), as an installed package has.
 
-Results (2026-11-24, 2-core VM): README.md, "Benchmarks", "Per-step overhead and start-up".
+Results (2026-11-24, 2-core VM): docs/benchmarks.md, "Per-step overhead and start-up".
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ the median and the mean over the timed steps; the table gives the median over ro
 "typical" step; the mean also counts what happens on one step in ``log_every_n_steps`` (logging, Telemetry's sampled
 comm timing), so keep ``--steps`` a multiple of 10. ``paired`` = the median over rounds of the ratio within a round.
 First/last-step losses (mean over ranks holding one) are printed: the variants must compute the same thing.
-Results (2026-11-24, 2-core VM, 5 rounds): README.md, "Benchmarks", "Per-step overhead and start-up".
+Results (2026-11-24, 2-core VM, 5 rounds): docs/benchmarks.md, "Per-step overhead and start-up".
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class ClusterConfig:
     """torch.distributed backend; None = gloo on CPU, nccl on CUDA."""
     collective_timeout_s: float = 600.0
     """A collective that waits this long ends the job (torch's process-group timeout); on NCCL the flight recorder
-    then writes what every rank was doing to ``<run>/flight_recorder/`` (README: "Hangs")."""
+    then writes what every rank was doing to ``<run>/flight_recorder/`` (docs/failures.md)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None = looked up from the GPU name (omitted on CPU)."""
     launcher: str = "local"

@@ -3,7 +3,7 @@
 Each row keeps its source (repository, file and commit, or paper and table). Throughput is per device; where a
 source gives TFLOP/s or MFU instead, tokens/s is that over the model's FLOPs per token (the PaLM / Megatron count,
 the one the planner uses). Memory is the peak a source reports (GiB). :func:`validate` predicts each row with the
-H100 SXM hardware entry; ``tests/unit/test_plan_published.py`` keeps the README's table equal to it.
+H100 SXM hardware entry; ``tests/unit/test_plan_published.py`` keeps the table in docs/planner.md equal to it.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def validate() -> list[Check]:
 
 
 def table() -> str:
-    """The validation table as Markdown (the README's)."""
+    """The validation table as Markdown (docs/planner.md's)."""
     lines = ["| run | tokens/s/GPU measured | predicted | error | memory GiB measured | predicted | error | source |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for check in validate():
