@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,20 @@ def write_instruction_jsonl(path: Path, n: int, prompt_field: str = "prompt", re
     ]
     Path(path).write_text("\n".join(lines) + "\n")
     return Path(path)
+
+
+#: What a launcher (ours, torchrun, SLURM, submitit, Lightning's own) leaves in os.environ. Another test in the same
+#: pytest worker may have left them (Lightning writes MASTER_ADDR / MASTER_PORT itself), and a child process that
+#: inherits them waits for ranks or an address that never come.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SUBMITIT_EXECUTOR",
+               "LIGHTNING_DIST_LAUNCHER_PID", "LIGHTNING_DIST_HEARTBEAT")  # fmt: skip
+
+
+def fresh_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` without any launcher's variables (and no ``SLURM_*``), plus ``extra``: for a child process
+    that must start a job of its own."""
+    return {
+        **{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")},
+        **extra,
+    }

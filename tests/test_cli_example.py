@@ -7,13 +7,13 @@ The tp=2 and pp=2 runs must log the loss curve of the one-process run (rtol 1e-5
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import fresh_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -29,7 +29,7 @@ COMMON = [
 def _losses(tmp_path: Path, name: str, layout: list[str]) -> list[float]:
     folder = tmp_path / name
     command = [sys.executable, str(ROOT / "examples" / "cli.py"), *COMMON, f"--trainer.logger.save_dir={folder}"]
-    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = fresh_env()  # no launcher variables another test left behind (MASTER_ADDR of a fake srun)
     done = subprocess.run([*command, *layout], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (metrics,) = folder.glob("lightning_logs/version_*/metrics.csv")

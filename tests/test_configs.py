@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF_DIR, compose_config
+from helpers import CONF_DIR, compose_config, fresh_env
 
 from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.models.gpt import GPT
@@ -119,7 +119,7 @@ def test_a_user_config_folder_on_the_search_path(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lightning_dist.run.train", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
          "model=mine", "--cfg", "job"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=fresh_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     model = yaml.safe_load(done.stdout)["model"]

@@ -6,18 +6,19 @@ and print its final loss.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import fresh_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "quickstart.py"
 
 
 def test_the_quickstart_trains_and_prints_its_final_loss(tmp_path: Path) -> None:
-    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = fresh_env()  # no launcher variables another test left behind
     done = subprocess.run(
         [sys.executable, str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

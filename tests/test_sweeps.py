@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import FAST
+from helpers import FAST, fresh_env
 
 from lightning_dist.run.result import RunResult
 from lightning_dist.run.train import objective_value, sweep_group
@@ -27,7 +27,7 @@ def test_a_sweep_survives_a_bad_point_and_returns_the_objective(tmp_path: Path) 
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "+hydra.callbacks.record._target_=sweep_record.RecordReturns", f"+hydra.callbacks.record.path={returns}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS / "support"), os.environ.get("PYTHONPATH", "")])}
+    env = fresh_env(PYTHONPATH=os.pathsep.join([str(TESTS / "support"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-m", "lightning_dist.run.train", "-m", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, losses, run_app
+from helpers import FAST, fresh_env, losses, run_app
 
 from lightning_dist.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_dist.checkpoint.store import latest_checkpoint
@@ -182,7 +182,7 @@ def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_p
     overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path / 'run'}"]
     job = subprocess.Popen(
         [torchrun, "--standalone", "--nproc-per-node=2", "-m", "lightning_dist.run.train", *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=fresh_env(),
     )  # fmt: skip
     beats = tmp_path / "run" / "heartbeats" / "attempt-0"
     deadline = time.monotonic() + 240

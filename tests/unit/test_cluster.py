@@ -49,6 +49,9 @@ def test_an_srun_task_is_detected_by_us_and_by_lightning(monkeypatch: pytest.Mon
             monkeypatch.delenv(name)
     for name, value in SRUN.items():
         monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning writes them into os.environ: restored (absent) after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     environment = SLURMEnvironment(auto_requeue=False)
     assert SLURMEnvironment.detect()
     assert (environment.world_size(), environment.global_rank(), environment.local_rank()) == (4, 3, 1)
