@@ -43,7 +43,7 @@ class Watchdog:
     ) -> None:
         self.folder, self.world_size, self.poll_s = folder, world_size, poll_s
         self.on_hang = on_hang or self._end_job
-        self.hung_rank: int | None = None
+        self.silent_ranks: list[int] = []  # past their allowance at the last check
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning-dist-watchdog", daemon=True)
 
@@ -53,7 +53,8 @@ class Watchdog:
         silent = beat_file.most_silent(beats)
         if silent is None:
             return None
-        self.hung_rank = silent[0]
+        # A frozen rank stalls the others in their next collective: every silent rank is one of them.
+        self.silent_ranks = [rank for rank, beat in beats.items() if beat is not None and beat[2] > beat[1]]
         return beat_file.hung_message(*silent)
 
     def start(self) -> Watchdog:
@@ -64,13 +65,18 @@ class Watchdog:
         self._stopped.set()
 
     def _end_job(self, message: str) -> None:
-        """Print ``message``; SIGKILL the hung rank if it runs on this node (a frozen or deadlocked process ignores
-        the SIGTERM its launcher sends, which torchrun follows with SIGKILL only 30 s later); exit this process."""
+        """Print ``message``; SIGKILL the silent ranks that run on this node (a frozen or deadlocked process ignores
+        the SIGTERM its launcher sends, which torchrun follows with SIGKILL only 30 s later); exit this process.
+
+        Which silent rank stopped first cannot be told from beats written at most once a second: the message names
+        the one silent longest, and every silent rank here is ended.
+        """
         print(f"error: {message}", file=sys.stderr, flush=True)
-        writer = beat_file.writer(self.folder / f"{self.hung_rank}.beat")
-        if writer is not None and writer[1] == socket.gethostname() and writer[0] != os.getpid():
-            with contextlib.suppress(OSError):  # gone already
-                os.kill(writer[0], signal.SIGKILL)
+        for rank in self.silent_ranks:
+            writer = beat_file.writer(self.folder / f"{rank}.beat")
+            if writer is not None and writer[1] == socket.gethostname() and writer[0] != os.getpid():
+                with contextlib.suppress(OSError):  # gone already
+                    os.kill(writer[0], signal.SIGKILL)
         os._exit(HUNG_EXIT_CODE)  # the main thread may be blocked in a collective: no clean shutdown is possible
 
     def _watch(self) -> None:

@@ -174,8 +174,8 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_
 
 
 def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_path: Path) -> None:
-    """No launcher of ours: the ranks beat into the run folder and local rank 0's watchdog names the frozen rank 1;
-    torchrun's agent then stops every rank (lightning_dist/run/watchdog.py)."""
+    """No launcher of ours: the ranks beat into the run folder and local rank 0's watchdog names a silent rank and
+    kills the silent ones on its node; torchrun's agent then stops the rest (lightning_dist/run/watchdog.py)."""
     from lightning_dist.callbacks import heartbeat
 
     torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -199,7 +199,8 @@ def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_p
         for pid in workers:
             os.kill(pid, signal.SIGKILL) if _alive(pid) else None
     assert job.returncode != 0, stderr[-2000:]
-    assert re.search(r"^error: rank 1: hung: no progress for \d+ s after step \d+ \(allowed 3 s", stderr, re.M), stderr
+    # The frozen rank 1, or rank 0 stalled in a collective with it (beats are written at most once a second).
+    assert re.search(r"^error: rank \d: hung: no progress for \d+ s after step \d+ \(allowed 3 s", stderr, re.M), stderr
     # The bound: the allowance, 1 s polls, the watchdog killing the frozen rank (generous for a busy CI).
     assert time.monotonic() - stopped_at < 3 + 30
     assert not [pid for pid in workers if _alive(pid)]
