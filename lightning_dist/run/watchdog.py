@@ -5,8 +5,9 @@ torchrun and srun the ranks beat into the job's shared run folder instead (``<ru
 one folder per torchrun restart / SLURM requeue), and a thread in some ranks reads every rank's file: local rank 0
 of every node (local ranks 0 and 1 on a one-node job, so a frozen watcher is found by the other). When a rank has
 been silent past the allowance it wrote (``trainer.hang_timeout_s``; see :mod:`lightning_dist.callbacks.heartbeat`),
-the watching rank prints one line naming it and exits non-zero; torchrun's agent (or ``srun --kill-on-bad-exit``)
-then stops every rank, and ``--max-restarts`` / a requeue continues from the newest checkpoint.
+the watching rank prints one line naming the rank silent longest, SIGKILLs the silent ranks on its node and exits
+non-zero; torchrun's agent (or ``srun --kill-on-bad-exit``) then stops every rank, and ``--max-restarts`` / a
+requeue continues from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class Watchdog:
         folder: Where rank ``r`` beats into ``<r>.beat``.
         world_size: Ranks in the job.
         poll_s: Seconds between two reads of every file.
-        on_hang: Called with the one-line message (default: print it, kill the hung rank if it is on this node, and
-            end this process with ``HUNG_EXIT_CODE``).
+        on_hang: Called with the one-line message (default: print it, kill the silent ranks on this node, and end
+            this process with ``HUNG_EXIT_CODE``).
     """
 
     def __init__(

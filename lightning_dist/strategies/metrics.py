@@ -21,6 +21,7 @@ class DataParallelMetricsMixin:
     """For a Lightning strategy with ``parallel_dims``: ``sync_dist`` and metrics reduce over the ``dp`` group."""
 
     parallel_dims: ParallelDims
+    _changed_metrics: list[Metric]  # set by sync_metrics_over_data_parallel
 
     @cached_property
     def dp_group(self) -> torch.distributed.ProcessGroup:
@@ -38,16 +39,29 @@ class DataParallelMetricsMixin:
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     def sync_metrics_over_data_parallel(self, module: torch.nn.Module) -> None:
-        """Make each torchmetrics ``Metric`` of ``module`` that syncs over all ranks sync over the ``dp`` group."""
+        """Make each torchmetrics ``Metric`` of ``module`` that syncs over all ranks sync over the ``dp`` group, until
+        :meth:`teardown` puts them back (the module may be used next under another layout)."""
+        self.restore_metrics()  # setup runs again for validate / test / predict
         if self.parallel_dims.model_parallel_size == 1:
             return
         for metric in module.modules():
             # process_group None: torchmetrics' world group; a group or gather function of the user's is kept.
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
+                self._changed_metrics.append(metric)
                 if self.parallel_dims.dp_size == 1:
                     metric.dist_sync_fn = _own_states  # every rank holds the same samples: nothing to gather
                 else:
                     metric.process_group = self.dp_group
+
+    def restore_metrics(self) -> None:
+        """Give the metrics changed by :meth:`sync_metrics_over_data_parallel` their defaults back."""
+        for metric in getattr(self, "_changed_metrics", ()):
+            metric.process_group, metric.dist_sync_fn = None, None
+        self._changed_metrics = []
+
+    def teardown(self) -> None:
+        self.restore_metrics()
+        super().teardown()  # type: ignore[misc]
 
 
 def _own_states(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import SumMetric
+from torchmetrics import Metric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dist import MeshStrategy, PipelineParallelStrategy, PipelineSpec, TensorParallelStrategy
@@ -126,6 +126,9 @@ def _every_entry_point(make_strategy: Any, devices: int, dp: int, root: str) -> 
     out["test"] = _metrics(trainer.test(module, _loader(2, batch))[0])
     predictions = trainer.predict(module, _loader(3, batch))
     out["predict"] = {int(i): row.tolist() for index, probs in predictions for i, row in zip(index, probs)}
+    # The strategy gave the metrics its dp group only while it ran: the module is the user's again afterwards.
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    out["metrics_restored"] = all(m.process_group is None and m.dist_sync_fn is None for m in metrics)
     return out
 
 
@@ -202,6 +205,7 @@ def _assert_same(run: dict[str, Any], reference: dict[str, Any]) -> None:
         assert run[key].keys() >= reference[key].keys(), key  # our strategies add train/grad_norm
         for name, value in reference[key].items():
             np.testing.assert_allclose(run[key][name], value, rtol=1e-5, err_msg=f"{key}: {name}")
+    assert run["metrics_restored"]
     assert sorted(run["predict"]) == sorted(reference["predict"]) == list(range(SAMPLES))
     for index, probs in reference["predict"].items():
         np.testing.assert_allclose(run["predict"][index], probs, rtol=1e-5, atol=1e-7, err_msg=f"prediction {index}")
