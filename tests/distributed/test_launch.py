@@ -66,6 +66,9 @@ def _finishes_then_runs_atexit(marker_dir: str, abort_on_exit: bool) -> int:
     from pathlib import Path
 
     dist.init_process_group("gloo")
+    # Gloo connects every pair while init_process_group returns: a rank that left at once could close its side
+    # before the other finished connecting ("connectFullMesh ... Connection closed by peer", 2 runs in ~8 on CI).
+    dist.barrier()
     rank = dist.get_rank()
     atexit.register(lambda: (Path(marker_dir) / f"atexit-{rank}").touch())  # like wandb's and logging's handlers
     if abort_on_exit and rank == 1:
