@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODEL = ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.vocab_size=256", "model.max_seq_len=64"]
 RUN = ["parallelism=fsdp", "cluster.devices=2", "logger=none", "trainer.limit_val_batches=0",
-       "trainer.num_sanity_val_steps=0", "trainer.telemetry=false", "data.global_batch_size=2", "data.seq_len=64",
+       "trainer.num_sanity_val_steps=0", "telemetry.enabled=false", "data.global_batch_size=2", "data.seq_len=64",
        "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2", "checkpoint.keep_last=1"]  # fmt: skip
 
 
@@ -63,7 +63,7 @@ def restart_time(folder: Path) -> float:
     from lightning_dist.checkpoint.store import latest_checkpoint
 
     command = [sys.executable, "-m", "lightning_dist.run.train", "logger=none", "trainer.max_steps=300",
-               "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=1", "trainer.max_restarts=1",
+               "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=1", "resilience.max_restarts=1",
                f"output_dir={folder}"]  # fmt: skip
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while latest_checkpoint(folder / "checkpoints") is None:

@@ -147,9 +147,9 @@ def measure(folder: Path, devices: int, out: Path, step: bool) -> list[dict]:
     from lightning_dist.run.launch import launch
 
     overrides = ["model=hf", f"model.pretrained={folder}", "parallelism=fsdp", f"cluster.devices={devices}",
-                 "cluster.precision=bf16-true", "logger=none", "trainer.max_steps=1", "trainer.report=false",
+                 "cluster.precision=bf16-true", "logger=none", "trainer.max_steps=1", "telemetry.report=false",
                  "trainer.enable_checkpointing=false", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=0",
-                 "trainer.telemetry=false", "data.seq_len=8", f"data.global_batch_size={devices}",
+                 "telemetry.enabled=false", "data.seq_len=8", f"data.global_batch_size={devices}",
                  "data.num_train_samples=64", "data.num_val_samples=8"]  # fmt: skip
     return launch(_rank, devices, compose_config(overrides, out), step)
 

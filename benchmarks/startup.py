@@ -9,7 +9,7 @@ round, after one untimed round that warms the disk cache), in a temporary folder
   processes) made a 1-step run: ``trainer.max_steps=1 logger=none trainer.enable_checkpointing=false
   trainer.num_sanity_val_steps=0 trainer.limit_val_batches=0``, its folder ``hydra.run.dir=<tmp>/app-<n>``. The
   rest is the default, the run report (``report.json`` and ``report.html``) included.
-- ``app, report=false`` (``--report-variant``): the same with ``trainer.report=false`` (diagnostic).
+- ``app, report=false`` (``--report-variant``): the same with ``telemetry.report=false`` (diagnostic).
 - ``plain``: ``.venv/bin/torchrun --standalone --nproc_per_node 2`` running a script that inits gloo, builds the same
   GPT (``models/gpt.py``, loaded without the package's ``__init__``, which imports Lightning), wraps it in DDP and
   takes one AdamW step on a random batch of the default size (16 x 128 tokens per rank) with clipping, then
@@ -101,7 +101,7 @@ def commands(tmp: Path, report_variant: bool) -> dict[str, list[str]]:
     app = [str(BIN / "lightning-dist-train"), *APP_OVERRIDES]
     variants = {"app": [*app, f"hydra.run.dir={tmp}/app-{{n}}"]}
     if report_variant:
-        variants["app, report=false"] = [*app, "trainer.report=false", f"hydra.run.dir={tmp}/app-nr-{{n}}"]
+        variants["app, report=false"] = [*app, "telemetry.report=false", f"hydra.run.dir={tmp}/app-nr-{{n}}"]
     variants["plain"] = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script)]
     variants["plain"].append(str(ROOT / "lightning_dist"))
     for module in ("lightning_dist.run.train", "lightning", "torch"):
@@ -172,7 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pyc", choices=("env", "cached"), default="env")
-    parser.add_argument("--report-variant", action="store_true", help="also time the app with trainer.report=false")
+    parser.add_argument("--report-variant", action="store_true", help="also time the app with telemetry.report=false")
     args = parser.parse_args()
     times = measure(args.repeats, args.pyc, args.report_variant)
     print(f"{os.cpu_count()} CPUs; {pyc_note(args.pyc)}")

@@ -9,7 +9,7 @@ always runs first):
 
 - ``library on`` / ``library off``: ``lightning_dist.run.fit.fit(valid_run, callbacks=[StepClock])``, what the app
   runs on each rank, with its default callbacks (loss history, preemption, heartbeat, layout, and Telemetry when
-  ``trainer.telemetry=true``). The config is composed from ``lightning_dist/conf`` as ``tests/helpers.py`` does:
+  ``telemetry.enabled=true``). The config is composed from ``lightning_dist/conf`` as ``tests/helpers.py`` does:
   ``parallelism=<ddp|fsdp|tp|pp>``, no logger, checkpoints, validation, progress bar or report; the rest (gradient
   clipping at 1.0, log every 10 steps, comm tracking) as the app's defaults.
 - ``plain``: no Lightning. The same ``GPT`` (``init_weights(seed)``), the same batches (the app's own
@@ -102,8 +102,8 @@ class Bench:
         # One epoch holds every step: an epoch boundary inside the timed steps would cost the library one step.
         return [
             "logger=none", "trainer.enable_checkpointing=false", "trainer.num_sanity_val_steps=0",
-            "trainer.limit_val_batches=0", "trainer.report=false", "trainer.enable_progress_bar=false",
-            f"parallelism={self.layout}", f"trainer.telemetry={str(telemetry).lower()}",
+            "trainer.limit_val_batches=0", "telemetry.report=false", "trainer.enable_progress_bar=false",
+            f"parallelism={self.layout}", f"telemetry.enabled={str(telemetry).lower()}",
             f"trainer.max_steps={self.num_batches}", *model, "model.max_seq_len=256",
             f"data.global_batch_size={batch}", f"data.seq_len={seq}",
             f"data.num_train_samples={(self.num_batches + 1) * batch}", "data.num_val_samples=16",

@@ -2,7 +2,7 @@
 
 The bottom layer: nothing here imports the rest of the package, so a strategy can raise these and the launcher
 (:mod:`lightning_dist.run.launch`) can classify a rank's failure with them. Whether a failed job is started again
-(``trainer.max_restarts``) is decided by the failing exception's *class* (:func:`restart_would_repeat`), never by
+(``resilience.max_restarts``) is decided by the failing exception's *class* (:func:`restart_would_repeat`), never by
 the text of its message.
 """
 
@@ -26,7 +26,7 @@ class LightningDistError(Exception):
 
 
 class NonFiniteError(LightningDistError, RuntimeError):
-    """A step's loss or gradient norm was NaN or Inf (``trainer.on_nonfinite=stop``).
+    """A step's loss or gradient norm was NaN or Inf (``resilience.on_nonfinite=stop``).
 
     Restarting repeats it: the newest checkpoint precedes the step, and the same data and seed lead back to it.
     """

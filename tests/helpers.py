@@ -26,7 +26,7 @@ FAST = [
     "data.num_train_samples=512",
     "data.num_val_samples=64",
     "model.max_seq_len=64",
-    "trainer.report=false",
+    "telemetry.report=false",
 ]
 
 

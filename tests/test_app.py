@@ -52,7 +52,7 @@ def train(*overrides: str, cwd: Path, timeout: int = 300, **extra_env: str) -> s
         (["parallelism=tp", "parallelism.pp=2"], r"^error: parallelism.pp=2 is not possible .*parallelism=pp"),
         (["parallelism=tp", "model.n_kv_heads=1"], r"^error: tp=2 does not divide model.n_kv_heads=1"),
         (["parallelism.dp_shard=0"], r"^error: dp_shard=0 must be >= 1, or -1"),
-        (["trainer.comm_timing_every_n_steps=0"], r"^error: trainer.comm_timing_every_n_steps=0 must be >= 1"),
+        (["telemetry.comm_timing_every_n_steps=0"], r"^error: telemetry.comm_timing_every_n_steps=0 must be >= 1"),
     ],
 )
 def test_bad_input_is_one_clear_line(

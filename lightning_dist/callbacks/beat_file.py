@@ -67,7 +67,7 @@ def hung_message(rank: int, step: int, allowed_s: float, age_s: float) -> str:
     """The one line that names a hung rank (the launcher's and the watchdog's)."""
     return (
         f"rank {rank}: hung: no progress for {age_s:.0f} s after step {step} (allowed {allowed_s:.0f} s; "
-        "trainer.hang_timeout_s); the job was stopped"
+        "resilience.hang_timeout_s); the job was stopped"
     )
 
 

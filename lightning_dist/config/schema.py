@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.config.environment import run_dir
+from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.optim_config import OptimConfig
@@ -169,24 +170,24 @@ class PlanConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """Arguments of Lightning's Trainer that a run sets."""
+class TelemetryConfig:
+    """What the run measures and reports (:class:`lightning_dist.Telemetry`; docs/telemetry.md)."""
 
-    max_steps: int = 300
-    """Optimizer steps to train for."""
-    val_check_interval: int = 100
-    """Validate every this many training steps."""
-    limit_val_batches: int = 8
-    """Validation batches per validation run."""
-    num_sanity_val_steps: int = 1
-    """Validation batches run before training as a sanity check."""
-    log_every_n_steps: int = 10
-    """Log metrics (and telemetry) every this many steps."""
-    accumulate_grad_batches: int = 1
-    """Lightning's gradient accumulation. Built-in data: sets data.micro_batch_size to the per-rank batch / this (the
-    global batch stays data.global_batch_size); data=custom: your loader's batch x this x dp is the global batch."""
+    enabled: bool = True
+    """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
+    track_comm: bool = True
+    """Count every collective per mesh axis and time a sample of the steps (comm/<axis>/); False leaves comm/ out."""
+    comm_timing_every_n_steps: int | None = None
+    """Time the collectives of one step in this many. None: every step on CUDA (events, no wait); elsewhere once
+    per logging window, since a host timer must wait for each collective (a timed DDP step on CPU: +3-6%)."""
     report: bool = True
     """Write the run report (report.html and its PNGs) in the run folder at the end; report.json is always written."""
+
+
+@dataclass
+class ResilienceConfig:
+    """What the run does when something goes wrong: a rank dies or hangs, a step's gradient is NaN / Inf."""
+
     max_restarts: int = 0
     """Restart a job whose rank died or hung, from its newest checkpoint in the same folder, up to this many times."""
     hang_timeout_s: float | None = None
@@ -194,19 +195,6 @@ class TrainerConfig:
     (the first steps, validation and checkpoint saves are allowed 30 minutes)."""
     on_nonfinite: str = "stop"
     """A step whose gradient norm (so also loss) is NaN / Inf: stop the run with one line, or skip the update."""
-    gradient_clip_val: float | None = 1.0
-    """Clip the global gradient norm to this value; None disables clipping."""
-    enable_checkpointing: bool = True
-    """Save a checkpoint at the end of training (ModelCheckpoint, last.ckpt)."""
-    enable_progress_bar: bool | None = None
-    """Show Lightning's progress bar; None = when stdout is a terminal (never in files and CI logs)."""
-    telemetry: bool = True
-    """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
-    track_comm: bool = True
-    """Count every collective per mesh axis and time a sample of the steps (comm/<axis>/); False leaves comm/ out."""
-    comm_timing_every_n_steps: int | None = None
-    """Time the collectives of one step in this many. None: every step on CUDA (events, no wait); elsewhere once
-    per logging window, since a host timer must wait for each collective (a timed DDP step on CPU: +3-6%)."""
 
 
 @dataclass
@@ -291,10 +279,13 @@ class TrainConfig:
     """The built-in data's fields (DataConfig: data=synthetic, text, tokens) or your DataModule (data=custom)."""
     parallelism: ParallelismConfig = MISSING
     cluster: ClusterConfig = MISSING
-    trainer: TrainerConfig = MISSING
+    trainer: Any = MISSING
+    """Lightning ``Trainer`` arguments (:class:`TrainerConfig`); any other ``Trainer`` argument passes through."""
     logger: LoggerConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -328,6 +319,7 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     train_cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(cfg, {"model": None, "data": None}))
     train_cfg.model = _typed(cfg.model, "model", GPTConfig, HFModelConfig)
     train_cfg.data = _typed(cfg.data, "data", DataConfig, None)
+    train_cfg.trainer = typed_trainer(OmegaConf.to_container(cfg.trainer, resolve=True))
     return train_cfg
 
 
@@ -356,6 +348,5 @@ def register_configs() -> None:
     store.store(group="data", name="data_schema", node=DataConfig)
     store.store(group="parallelism", name="parallelism_schema", node=ParallelismConfig)
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    store.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     store.store(group="logger", name="logger_schema", node=LoggerConfig)
     store.store(group="hardware", name="hardware_schema", node=HardwareConfig)

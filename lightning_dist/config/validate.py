@@ -26,6 +26,7 @@ from lightning_dist.config import environment
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.schema import HFModelConfig, ParallelismConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import num_blocks, vocab_and_length
+from lightning_dist.config.trainer_args import adopt_lightning_names, check_trainer
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
@@ -92,6 +93,7 @@ def validate(cfg: TrainConfig) -> ValidRun:
     cfg.resume = None
     if par.strategy not in _CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
+    adopt_lightning_names(trainer, cluster)  # trainer.devices=4 is cluster.devices=4
     cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
     _adopt_launcher_sizes(cluster)
     if cluster.collective_timeout_s <= 0:
@@ -167,20 +169,20 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             ac_selective=par.ac_selective,
             compile=par.compile,
             cpu_offload=par.cpu_offload,
-            on_nonfinite=cfg.trainer.on_nonfinite,
+            on_nonfinite=cfg.resilience.on_nonfinite,
             async_save=cfg.checkpoint.async_save,
             process_group_backend=cfg.cluster.process_group_backend,
             timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
         )
     except ValueError as err:  # the same message, named as the config field
-        group = "trainer." if str(err).startswith("on_nonfinite") else "parallelism."
+        group = "resilience." if str(err).startswith("on_nonfinite") else "parallelism."
         raise ValueError(f"{group}{err}") from None
 
 
 # ------------------------------------------------------------------------------------------------ the run itself
 def _check_run_fields(cfg: TrainConfig) -> None:
-    """The run's length, logging and checkpoint settings (``trainer.on_nonfinite`` is a ParallelOptions rule)."""
-    trainer, every = cfg.trainer, cfg.checkpoint
+    """The run's length, logging and checkpoint settings (``resilience.on_nonfinite`` is a ParallelOptions rule)."""
+    trainer, every, fault = cfg.trainer, cfg.checkpoint, cfg.resilience
     for name, node in cfg.callbacks.items():  # built in each rank; the launcher does not import them (start-up)
         target = node.get("_target_") if isinstance(node, dict) else None
         if not isinstance(target, str) or "." not in target:
@@ -188,17 +190,15 @@ def _check_run_fields(cfg: TrainConfig) -> None:
                 f"callbacks.{name} has no _target_ (its class's import path); give "
                 f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint and its arguments."
             )
-    for name in ("max_steps", "val_check_interval", "log_every_n_steps"):
-        if getattr(trainer, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(trainer, name)} must be >= 1.")
+    check_trainer(trainer)
     if every.every_n_steps is not None and every.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
     if every.every_n_minutes is not None and every.every_n_minutes <= 0:
         raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
-    if trainer.hang_timeout_s is not None and trainer.hang_timeout_s <= 0:
-        raise ValueError(f"trainer.hang_timeout_s={trainer.hang_timeout_s} must be > 0, or null (automatic).")
-    if trainer.max_restarts < 0:
-        raise ValueError(f"trainer.max_restarts={trainer.max_restarts} must be >= 0.")
+    if fault.hang_timeout_s is not None and fault.hang_timeout_s <= 0:
+        raise ValueError(f"resilience.hang_timeout_s={fault.hang_timeout_s} must be > 0, or null (automatic).")
+    if fault.max_restarts < 0:
+        raise ValueError(f"resilience.max_restarts={fault.max_restarts} must be >= 0.")
     if every.async_save and cfg.parallelism.strategy == "ddp":
         raise ValueError(
             "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
@@ -206,10 +206,10 @@ def _check_run_fields(cfg: TrainConfig) -> None:
         )
     if every.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
-    timing = trainer.comm_timing_every_n_steps
+    timing = cfg.telemetry.comm_timing_every_n_steps
     if timing is not None and timing < 1:
         raise ValueError(
-            f"trainer.comm_timing_every_n_steps={timing} must be >= 1, or null (every step on CUDA, "
+            f"telemetry.comm_timing_every_n_steps={timing} must be >= 1, or null (every step on CUDA, "
             "once per logging window on CPU)."
         )
 

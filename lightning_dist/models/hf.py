@@ -296,6 +296,8 @@ class HFCausalLM(pl.LightningModule):
             return id(param) in embeddings or (tied_head and name.endswith("lm_head.weight"))
 
         length = cfg.decay_steps or self.max_steps or self.trainer.max_steps
+        if length <= 0:  # trained by epochs (max_steps=-1): the steps Lightning counts for them
+            length = int(self.trainer.estimated_stepping_batches)
         return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, length)
 
     # ------------------------------------------------------------------------------- parallelism contract

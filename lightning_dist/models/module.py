@@ -130,7 +130,9 @@ class GPTModule(pl.LightningModule):
         def is_embedding(name: str, param: nn.Parameter) -> bool:
             return "emb" in name or (tied_head and name.endswith("head.weight"))
 
-        return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, cfg.decay_steps or self.max_steps)
+        # Trained by epochs (max_steps=-1): the schedule spans the steps Lightning counts for them.
+        length = self.max_steps if self.max_steps > 0 else self.trainer.estimated_stepping_batches
+        return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, cfg.decay_steps or int(length))
 
 
 class StepLoss:

@@ -15,6 +15,7 @@ from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
 from lightning_dist.config.build import build_datamodule, build_module
+from lightning_dist.config.environment import is_global_zero
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
@@ -48,20 +49,22 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
     module = build_module(cfg)
     continuing = cfg.ckpt_path is not None and Path(cfg.ckpt_path).parent == out_dir / "checkpoints"
     logger = build_logger(cfg.logger, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
+    if cfg.trainer.fast_dev_run:
+        logger = False  # Lightning's smoke test logs nothing; a W&B run would still be made by finish_wandb
     history = LossHistory()
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
     preemption = Preemption()
     shown = ShowLayout()
-    all_callbacks = [history, preemption, Heartbeat(cfg.trainer.hang_timeout_s), shown, *callbacks]
-    if cfg.trainer.telemetry:
+    all_callbacks = [history, preemption, Heartbeat(cfg.resilience.hang_timeout_s), shown, *callbacks]
+    if cfg.telemetry.enabled:
         telemetry = Telemetry(
             peak_tflops=cfg.cluster.peak_tflops,
-            track_comm=cfg.trainer.track_comm,
-            comm_timing_every_n_steps=cfg.trainer.comm_timing_every_n_steps,
+            track_comm=cfg.telemetry.track_comm,
+            comm_timing_every_n_steps=cfg.telemetry.comm_timing_every_n_steps,
         )
         all_callbacks.append(telemetry)
-    if cfg.trainer.enable_checkpointing:
+    if cfg.trainer.enable_checkpointing and not cfg.trainer.fast_dev_run:  # Lightning's smoke test saves nothing
         all_callbacks.append(checkpoint)
     if cfg.trainer.enable_progress_bar:
         all_callbacks.append(LoggedLossBar())
@@ -75,6 +78,13 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
             callback.dirpath = str(out_dir / "best")  # beside checkpoints/, which is ours (RunCheckpoints)
     all_callbacks += users
     enable_flight_recorder(out_dir, cfg.cluster.accelerator)  # before the strategy creates the process group
+    args = cfg.trainer
+    if args.max_epochs is not None and args.max_steps > 0 and is_global_zero():
+        print(
+            f"trainer.max_epochs={args.max_epochs} and trainer.max_steps={args.max_steps}: the run stops at "
+            "whichever comes first (trainer.max_steps=-1 trains by epochs only)",
+            flush=True,
+        )
     trainer = pl.Trainer(
         plugins=lightning_environment(),
         accelerator=cfg.cluster.accelerator,
@@ -82,23 +92,27 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         num_nodes=cfg.cluster.num_nodes,
         strategy=build_strategy(cfg.parallelism.strategy, dims, valid.options),
         precision=cfg.cluster.precision,
-        max_steps=cfg.trainer.max_steps,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-        val_check_interval=cfg.trainer.val_check_interval,
-        check_val_every_n_epoch=None,  # val_check_interval counts steps across epochs
-        limit_val_batches=cfg.trainer.limit_val_batches,
-        num_sanity_val_steps=cfg.trainer.num_sanity_val_steps,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
+        fast_dev_run=args.fast_dev_run,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        val_check_interval=args.val_check_interval,
+        # An int val_check_interval counts steps across epochs; a fraction needs the epoch boundaries.
+        check_val_every_n_epoch=1 if isinstance(args.val_check_interval, float) else None,
+        limit_val_batches=args.limit_val_batches,
+        num_sanity_val_steps=args.num_sanity_val_steps,
+        log_every_n_steps=args.log_every_n_steps,
+        gradient_clip_val=args.gradient_clip_val,
         # Ours: RunCheckpoints. Lightning would add a ModelCheckpoint of its own, and refuses the user's without this.
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in users),
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_progress_bar=args.enable_progress_bar,
         enable_model_summary=False,
         logger=logger,
         callbacks=all_callbacks,
         # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
         default_root_dir=out_dir,
+        **args.extra,  # every other Trainer argument, as the user gave it (+trainer.profiler=simple)
     )
     watchdog = watch_external_job(out_dir)  # torchrun / srun: no launcher of ours reads the heartbeats
     try:
@@ -106,7 +120,7 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
     finally:
         if watchdog is not None:
             watchdog.stop()
-    if cfg.trainer.telemetry:
+    if cfg.telemetry.enabled:
         merge_telemetry(history.records, telemetry.history)
     metrics = trainer.callback_metrics
     return RunResult(

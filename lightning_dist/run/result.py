@@ -58,7 +58,7 @@ class RunResult:
     prediction: dict[str, list[Any]] | None = None
     #: The ``hardware`` config the prediction assumed.
     hardware: str | None = None
-    #: The ``report.html`` path (``trainer.report=true``).
+    #: The ``report.html`` path (``telemetry.report=true``).
     report: str | None = None
     #: The SLURM (or submitit local) job id of a submission; ``None`` otherwise, and on a dry run.
     job_id: str | None = None

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
+from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.errors import PREEMPTED_EXIT_CODE
 from lightning_dist.run import slurm
@@ -40,6 +41,13 @@ register_configs()
 
 def main() -> None:
     """Console-script entry point; errors are one line on stderr and a non-zero exit."""
+    for arg in sys.argv[1:]:  # before Hydra, whose message ("not in struct mode") would not say where they went
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if key.startswith("trainer.") and key.removeprefix("trainer.") in MOVED:
+            raise SystemExit(
+                f"{key} moved out of trainer. (it is not a Trainer argument): use "
+                f"{MOVED[key.removeprefix('trainer.')]}={arg.split('=', 1)[-1]}"
+            )
     _hydra_main()
 
 
@@ -134,12 +142,12 @@ def _fit(valid: ValidRun) -> RunResult:
 
 
 def _write_report(valid: ValidRun, result: RunResult) -> None:
-    """``report.json`` always; ``report.html`` and its PNGs unless ``trainer.report=false``."""
+    """``report.json`` always; ``report.html`` and its PNGs unless ``telemetry.report=false``."""
     cfg, dims = valid.cfg, valid.dims
     result.ranks = _rank_rows(dims, result.rank_layouts)
     result.hardware = cfg.hardware.name
     write_summary(Path(result.output_dir), result.to_dict())
-    if cfg.trainer.report:
+    if cfg.telemetry.report:
         result.report = str(render(Path(result.output_dir)))
 
 
@@ -167,11 +175,11 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
     """
     cfg = valid.cfg
     out_dir = Path(cfg.output_dir)
-    for attempt in range(cfg.trainer.max_restarts + 1):
+    for attempt in range(cfg.resilience.max_restarts + 1):
         try:
             return launch(_fit, cfg.cluster.devices, valid)[0]
         except RankFailedError as err:
-            if attempt == cfg.trainer.max_restarts or err.will_repeat:
+            if attempt == cfg.resilience.max_restarts or err.will_repeat:
                 raise
             # deferred: only a restart reads the checkpoint store (torch); a run that succeeds never imports it
             from lightning_dist.checkpoint.store import latest_checkpoint
@@ -179,7 +187,7 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
             latest = latest_checkpoint(out_dir / "checkpoints")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
             line = (
-                f"restart {attempt + 1}/{cfg.trainer.max_restarts}: {err}; from "
+                f"restart {attempt + 1}/{cfg.resilience.max_restarts}: {err}; from "
                 f"{latest if latest is not None else 'the start (no checkpoint yet)'}"
             )
             print(line, file=sys.stderr, flush=True)

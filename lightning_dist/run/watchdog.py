@@ -4,7 +4,7 @@ Under our own launcher (:mod:`lightning_dist.run.launch`) the parent process rea
 torchrun and srun the ranks beat into the job's shared run folder instead (``<run>/heartbeats/attempt-<k>/<rank>.beat``,
 one folder per torchrun restart / SLURM requeue), and a thread in some ranks reads every rank's file: local rank 0
 of every node (local ranks 0 and 1 on a one-node job, so a frozen watcher is found by the other). When a rank has
-been silent past the allowance it wrote (``trainer.hang_timeout_s``; see :mod:`lightning_dist.callbacks.heartbeat`),
+been silent past the allowance it wrote (``resilience.hang_timeout_s``; see :mod:`lightning_dist.callbacks.heartbeat`),
 the watching rank prints one line naming the rank silent longest, SIGKILLs the silent ranks on its node and exits
 non-zero; torchrun's agent (or ``srun --kill-on-bad-exit``) then stops every rank, and ``--max-restarts`` / a
 requeue continues from the newest checkpoint.

@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_dist import _compat
 from lightning_dist.errors import NonFiniteError  # defined with the other errors; importable from here as before
 
-_ADVICE = "Lower optim.lr or raise the warmup, or set trainer.on_nonfinite=skip to drop such steps."
+_ADVICE = "Lower optim.lr or raise the warmup, or set resilience.on_nonfinite=skip to drop such steps."
 
 
 def nonfinite_message(step: int, norm: float, loss_text: str, note: str = "") -> str:

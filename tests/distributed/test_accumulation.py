@@ -73,7 +73,7 @@ def _count_reduce_scatters(cfg) -> float:
 
 
 def test_accumulating_micro_steps_do_not_reduce_gradients(tmp_path: Path) -> None:
-    steps = ["trainer.max_steps=3", "trainer.telemetry=false", "parallelism=fsdp", "cluster.devices=2"]
+    steps = ["trainer.max_steps=3", "telemetry.enabled=false", "parallelism=fsdp", "cluster.devices=2"]
     whole = launch(_count_reduce_scatters, 2, compose_config([*FAST, *steps], tmp_path / "whole"))
     micro = launch(
         _count_reduce_scatters, 2, compose_config([*FAST, *steps, "data.micro_batch_size=1"], tmp_path / "mb")

@@ -29,7 +29,7 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step(layout: list[str], tm
 
 
 def test_skip_drops_the_updates_and_trains_to_the_end(tmp_path: Path) -> None:
-    result = run_app([*FAST, *DIVERGING, "parallelism=fsdp", "trainer.on_nonfinite=skip"], tmp_path)
+    result = run_app([*FAST, *DIVERGING, "parallelism=fsdp", "resilience.on_nonfinite=skip"], tmp_path)
     assert result["steps"] == 30
     assert result["checkpoint"].endswith("step-00000030")
 
@@ -39,5 +39,5 @@ def test_an_unknown_action_fails_before_launch() -> None:
 
     from lightning_dist.config.validate import validate
 
-    with pytest.raises(ValueError, match=r"trainer.on_nonfinite='ignore' is unknown; use stop"):
-        validate(compose_config([*FAST, "trainer.on_nonfinite=ignore"]))
+    with pytest.raises(ValueError, match=r"resilience.on_nonfinite='ignore' is unknown; use stop"):
+        validate(compose_config([*FAST, "resilience.on_nonfinite=ignore"]))

@@ -113,7 +113,7 @@ def test_a_rank_killed_while_saving_restarts_from_the_previous_checkpoint(whole:
     """SIGKILL to a rank while DCP writes a checkpoint (its shard files appear, its ``.metadata`` not yet): that
     checkpoint is never published, and ``max_restarts=1`` continues from the one before with the uninterrupted curve."""
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    command = [sys.executable, "-m", "lightning_dist.run.train", *RUN, *SAVING, "trainer.max_restarts=1"]
+    command = [sys.executable, "-m", "lightning_dist.run.train", *RUN, *SAVING, "resilience.max_restarts=1"]
     job = subprocess.Popen(
         [*command, f"output_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
     )
@@ -146,7 +146,7 @@ def test_a_frozen_rank_ends_the_job_within_the_hang_timeout(tmp_path: Path, own_
     from lightning_dist.callbacks import heartbeat
 
     temporary = own_tmp
-    overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path}"]
+    overrides = [*RUN, "trainer.max_steps=100000", "resilience.hang_timeout_s=3", f"output_dir={tmp_path}"]
     job = subprocess.Popen(
         [sys.executable, "-m", "lightning_dist.run.train", *overrides],
         stdout=subprocess.PIPE,
@@ -179,7 +179,7 @@ def test_a_frozen_rank_under_torchrun_ends_the_job_within_the_hang_timeout(tmp_p
     from lightning_dist.callbacks import heartbeat
 
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    overrides = [*RUN, "trainer.max_steps=100000", "trainer.hang_timeout_s=3", f"output_dir={tmp_path / 'run'}"]
+    overrides = [*RUN, "trainer.max_steps=100000", "resilience.hang_timeout_s=3", f"output_dir={tmp_path / 'run'}"]
     job = subprocess.Popen(
         [torchrun, "--standalone", "--nproc-per-node=2", "-m", "lightning_dist.run.train", *overrides],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=fresh_env(),

@@ -39,7 +39,7 @@ def test_the_progress_bar_follows_the_terminal_unless_set(monkeypatch: pytest.Mo
 
 def test_the_strategy_gets_the_layout_and_options_validate_built() -> None:
     cfg = compose_config([*FAST, "parallelism=pp", "cluster.devices=4", "parallelism.dp_shard=2",
-                          "parallelism.activation_checkpointing=full", "trainer.on_nonfinite=skip"])  # fmt: skip
+                          "parallelism.activation_checkpointing=full", "resilience.on_nonfinite=skip"])  # fmt: skip
     valid = validate(cfg)
     dims = valid.dims
     strategy = build_strategy(valid.cfg.parallelism.strategy, dims, valid.options)

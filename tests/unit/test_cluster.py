@@ -367,5 +367,5 @@ def test_the_watchdog_names_the_rank_silent_past_its_allowance(tmp_path: Path) -
     watchdog.stop()
     assert len(hangs) == 1 and watchdog.silent_ranks == [1]
     assert re.match(
-        r"^rank 1: hung: no progress for 10 s after step 5 \(allowed 3 s; trainer.hang_timeout_s\)", hangs[0]
+        r"^rank 1: hung: no progress for 10 s after step 5 \(allowed 3 s; resilience.hang_timeout_s\)", hangs[0]
     )

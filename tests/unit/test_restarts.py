@@ -36,7 +36,7 @@ def _restarts(failure: RankFailedError, tmp_path: Path, monkeypatch: pytest.Monk
     from lightning_dist.config.validate import validate
 
     tmp_path.mkdir()
-    valid = validate(compose_config([*FAST, "trainer.max_restarts=2"], tmp_path))
+    valid = validate(compose_config([*FAST, "resilience.max_restarts=2"], tmp_path))
     starts = []
 
     def launch(fn, nprocs, run):
