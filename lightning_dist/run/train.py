@@ -11,6 +11,7 @@ restart needs is imported by the function that needs it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
@@ -54,7 +55,8 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> RunResult | float:
     """One job. In a sweep (``-m``) it returns the value of ``objective`` a sweeper optimizes, and a point that fails
-    (a bad value, a diverging run, a dead rank) is NaN after its one-line error: the sweep goes on."""
+    (a bad value, a diverging run, a dead rank) is the sweeper's worst value after its one-line error (NaN, or +-inf
+    for a sweeper that states its direction): the sweep goes on."""
     slurm.adopt_submitit_environment()  # a task of a Hydra submitit-launcher job: one rank
     hydra_cfg = HydraConfig.get()
     output_dir = cfg.output_dir or hydra_cfg.runtime.output_dir
@@ -69,7 +71,7 @@ def _hydra_main(cfg: DictConfig) -> RunResult | float:
         if not sweep:
             _fail(err, Path(output_dir))
         _report_failure(err, Path(output_dir))
-        return float("nan")
+        return failed_value(hydra_cfg.sweeper)
     if result.preempted:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpointing off)"
         print(
@@ -79,7 +81,24 @@ def _hydra_main(cfg: DictConfig) -> RunResult | float:
             flush=True,
         )
         sys.exit(PREEMPTED_EXIT_CODE)
-    return objective_value(result, cfg.objective) if sweep else result
+    if not sweep:
+        return result
+    value = objective_value(result, cfg.objective)
+    return value if math.isfinite(value) else failed_value(hydra_cfg.sweeper)
+
+
+def failed_value(sweeper: Any) -> float:
+    """What a failed point returns: the worst value for a sweeper that states its direction (Optuna's ``direction``,
+    Nevergrad's ``optim.maximize``), which ends the whole sweep on NaN; NaN for the others (the basic sweeper)."""
+    direction = sweeper.get("direction") if hasattr(sweeper, "get") else None
+    if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction):
+        direction = direction[0] if len(direction) == 1 else None
+    maximize = sweeper.get("optim", {}).get("maximize") if hasattr(sweeper, "get") else None
+    if direction is not None:
+        maximize = str(direction).lower().endswith("maximize")
+    if maximize is None:
+        return float("nan")
+    return -math.inf if maximize else math.inf
 
 
 def objective_value(result: RunResult, name: str) -> float:
