@@ -341,6 +341,16 @@ def set_csv_columns(writer: Any, columns: list[str]) -> None:
     writer.metrics_keys = sorted(columns)
 
 
+def wandb_experiment(logger: Any) -> Any | None:
+    """A ``WandbLogger``'s W&B run if it was started, else ``None`` (reading ``logger.experiment`` would start it)."""
+    return logger._experiment
+
+
+def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
+    """The (mutable) keyword arguments a ``WandbLogger`` hands ``wandb.init`` when it starts its run."""
+    return logger._wandb_init
+
+
 # -------------------------------------------------------------------------------------------------------- transformers
 def set_attn_implementation(config: Any, name: str) -> None:
     """Make models built from the transformers ``config`` use the attention implementation ``name`` (``"sdpa"``...).

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
 
+from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
 from lightning_dist.checkpoint.weights import load_weights
@@ -41,6 +44,11 @@ class RunCheckpoints(pl.Callback):
     to host memory; rank 0 publishes the checkpoint at the first step boundary after its write completed, and every
     rank waits for its own write before the next save and at the end.
 
+    Under a ``WandbLogger``, rank 0 also notes the W&B run's step at each save in ``wandb.json`` beside the
+    checkpoints (see :func:`wandb_step_of`), before the checkpoint is published: a run continuing from it rewinds
+    the W&B history there. Lightning logs the saved step's own metrics after this hook, so the note is renewed at
+    the next batch's start, once they are logged.
+
     Args:
         dirpath: The run's checkpoint folder.
         every_n_steps: Save every this many optimizer steps (``None``: not by steps).
@@ -59,9 +67,23 @@ class RunCheckpoints(pl.Callback):
         self._last_step = -1
         self._last_time = time.monotonic()
         self._pending: tuple[Any, Path, Path] | None = None  # (future, partial folder, final folder)
+        self._pending_wandb: dict[str, Any] | None = None  # the W&B step of the save in flight
+        self._wandb_late: str | None = None  # the checkpoint whose W&B step is renewed at the next batch start
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._wandb_late is None:
+            return
+        name, self._wandb_late = self._wandb_late, None
+        record = _wandb_step(trainer)  # now past the rows the saved step logged after on_train_batch_end
+        if record is None:
+            return
+        if self._pending is not None and self._pending[2].name == name and self._pending[0] is not _DONE:
+            self._pending_wandb = record  # an async save not yet published: written when it is
+        elif (self.dirpath / name).exists():  # published: the note written before is replaced
+            _note_wandb_step(self.dirpath, name, record)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -96,23 +118,25 @@ class RunCheckpoints(pl.Callback):
         step = trainer.global_step
         final = self.dirpath / f"step-{step:08d}"
         partial = self.dirpath / f".step-{step:08d}.partial"
+        wandb_step = _wandb_step(trainer) if trainer.is_global_zero else None  # what was logged before this save
+        self._wandb_late = final.name if wandb_step is not None else None
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             remove(partial)
         trainer.strategy.barrier()
         with beat_file.busy(step):  # a save may take minutes: the launcher must not take it for a hang
-            trainer.save_checkpoint(partial)
+            trainer.save_checkpoint(partial, weights_only=False)  # the whole state, said (else Lightning logs it)
         view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
         future = view.pending_save if view is not None else None
         if future is not None:
             view.pending_save = None
             future.add_done_callback(lambda _: self.written_s.append(time.monotonic() - started))
-            self._pending = (future, partial, final)
+            self._pending, self._pending_wandb = (future, partial, final), wandb_step
         else:
             trainer.strategy.barrier()  # every rank's files are written
             self.written_s.append(time.monotonic() - started)
             if trainer.is_global_zero:
-                self._publish_folder(partial, final)
+                self._publish_folder(partial, final, wandb_step)
             trainer.strategy.barrier()
             self.last_path = final
         self._last_step, self._last_time = step, time.monotonic()
@@ -134,11 +158,13 @@ class RunCheckpoints(pl.Callback):
     def _publish(self, trainer: pl.Trainer) -> None:
         future, partial, final = self._pending
         future.result()
-        self._publish_folder(partial, final)
+        self._publish_folder(partial, final, self._pending_wandb)
         self._pending = (_DONE, partial, final)  # the other ranks still wait for their own writes in wait()
 
-    def _publish_folder(self, partial: Path, final: Path) -> None:
+    def _publish_folder(self, partial: Path, final: Path, wandb_step: dict[str, Any] | None = None) -> None:
         if partial.exists():  # not yet published
+            if wandb_step is not None:  # before the rename, so a published checkpoint always has its W&B step
+                _note_wandb_step(self.dirpath, final.name, wandb_step)
             remove(final)
             partial.rename(final)
             pointer = self.dirpath / f".{LATEST}.tmp"
@@ -155,6 +181,53 @@ class RunCheckpoints(pl.Callback):
             for old in complete_checkpoints(self.dirpath)[: -self.keep_last]:
                 remove(old)
         self.last_path = final
+
+
+WANDB_STEPS = "wandb.json"  #: in a run's checkpoint folder: checkpoint name -> {"run_id", "step"}
+
+
+def wandb_step_of(checkpoint: Path) -> dict[str, Any] | None:
+    """The W&B run and step noted when ``checkpoint`` was saved, or ``None``.
+
+    ``{"run_id": ..., "step": ...}``: ``step`` is the W&B run's ``run.step`` (the ``_step`` of its next row) once
+    the steps before the checkpoint were logged: its rows before ``step`` are theirs.
+    """
+    index = Path(checkpoint).parent / WANDB_STEPS
+    try:
+        return json.loads(index.read_text()).get(Path(checkpoint).name)
+    except (OSError, ValueError):
+        return None
+
+
+def _wandb_step(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The W&B run's id and next step on rank 0, if the trainer logs to a started, enabled W&B run."""
+    logger = trainer.logger
+    if not isinstance(logger, WandbLogger):
+        return None
+    run = _compat.wandb_experiment(logger)  # never starts a run here
+    if run is None or run.disabled:
+        return None
+    try:
+        return {"run_id": run.id, "step": int(run.step)}  # a request to wandb's service: no device value is read
+    except Exception:  # the note is optional (mode="shared" has no step): a save must not fail for it
+        return None
+
+
+def _note_wandb_step(dirpath: Path, name: str, record: dict[str, Any]) -> None:
+    """Add ``name``'s record to ``dirpath``'s ``wandb.json`` (atomic rename); records of pruned checkpoints go."""
+    index = dirpath / WANDB_STEPS
+    try:
+        records = json.loads(index.read_text())
+    except (OSError, ValueError):
+        records = {}
+    kept = {path.name for path in complete_checkpoints(dirpath)}
+    records = {key: value for key, value in records.items() if key in kept} | {name: record}
+    tmp = dirpath / f".{WANDB_STEPS}.tmp"
+    with tmp.open("w") as file:
+        json.dump(records, file)
+        file.flush()
+        os.fsync(file.fileno())  # durable before the checkpoint it describes is published
+    tmp.replace(index)
 
 
 class _Done:
