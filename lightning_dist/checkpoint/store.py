@@ -75,6 +75,38 @@ def save_async(checkpoint: dict[str, Any], path: Path, group: Any, global_rank: 
     return future
 
 
+# ------------------------------------------------------------------------------------------ per-rank state
+REPLICA_FILE = "replica-rank{rank:05d}.pt"  #: a rank's own state DCP would deduplicate (DiLoCo's replicas differ)
+
+
+def save_rank_state(path: Path, rank: int, state: dict[str, Any]) -> None:
+    """Write ``rank``'s own ``state`` into the checkpoint folder ``path``, beside DCP's files.
+
+    Called before DCP's save starts: DCP writes ``.metadata`` after every rank's data, so a folder that is whole
+    (:func:`damage`) holds every rank's file too.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path / REPLICA_FILE.format(rank=rank))
+
+
+def load_rank_state(path: Path, rank: int) -> dict[str, Any] | None:
+    """``rank``'s state from :func:`save_rank_state`; ``None`` when the folder holds no rank's (another kind of run).
+
+    Raises:
+        ValueError: Other ranks' files are there but not this rank's (a checkpoint of more or other ranks).
+    """
+    own = path / REPLICA_FILE.format(rank=rank)
+    if own.is_file():
+        return torch.load(own, map_location="cpu", weights_only=True)
+    saved = sorted(path.glob(REPLICA_FILE.replace("{rank:05d}", "*")))
+    if saved:
+        raise ValueError(
+            f"checkpoint {path} holds per-rank state of {len(saved)} ranks but not of rank {rank}; it does not "
+            "reshard: resume with the layout and world size that saved it."
+        )
+    return None
+
+
 # ------------------------------------------------------------------------------------------ during the run
 LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
 

@@ -68,7 +68,8 @@ def parallelize(
     #    (ParallelOptions.check refused compile with tp before any rank started.)
     if options.compile:
         compile_blocks(fsdp_units)
-    # 4. FSDP2 / replication last, over the data-parallel axes.
+    # 4. FSDP2 / replication last, over the data-parallel axes (under DiLoCo dp_shard only, a size-1 mesh at
+    #    dp_shard=1: parameters stay DTensors either way, so checkpoints and clipping take one path).
     names = {id(child): name for name, child in module.named_modules()}
     wrapped: list[str] = []
     if dims.dp_enabled:
@@ -82,7 +83,7 @@ def parallelize(
         apply_fsdp(
             fsdp_units,
             roots,
-            mesh[dims.fsdp_mesh_axes],
+            mesh[data_parallel_axes(dims, options)],
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=options.cpu_offload,
@@ -92,6 +93,12 @@ def parallelize(
             wrapped.append(" + ".join(names.get(id(m), "") or "(root)" for m in group))
     check_ties_kept(module, ties)
     return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped))
+
+
+def data_parallel_axes(dims: ParallelDims, options: ParallelOptions) -> tuple[str, ...]:
+    """The mesh axes FSDP2 shards and reduces gradients over: ``dims.fsdp_mesh_axes``, but never ``dp_replicate``
+    under DiLoCo, whose replicas must train apart (only its outer step averages them)."""
+    return ("dp_shard",) if options.diloco else dims.fsdp_mesh_axes
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ class RankLayout:
             empty without a pipeline (the rank holds its shards of every block).
         tp_styles: Module name (the LightningModule's) -> tensor-parallel style applied; empty without TP.
         fsdp_units: The FSDP2 units, in the order they were wrapped; empty without data parallelism.
+        sync: How its ``dp_replicate`` replicas agree when not every step (``DiLoCo over dp_replicate: H=50 ...``);
+            empty for gradients averaged every step.
         parallelized_by: ``"lightning-dist"``, or ``"configure_model"`` when the module laid itself out (its DTensor
             parameters say nothing about stages or styles here).
     """
@@ -36,6 +38,7 @@ class RankLayout:
     blocks: tuple[tuple[str, ...], ...] = ()
     tp_styles: dict[str, str] = field(default_factory=dict)
     fsdp_units: tuple[str, ...] = ()
+    sync: str = ""
     parallelized_by: str = "lightning-dist"
 
     @classmethod
@@ -51,6 +54,8 @@ class RankLayout:
         """A short human-readable description, one fact per line."""
         coords = " ".join(f"{axis}={index}" for axis, index in self.coordinates.items())
         out = [f"rank {self.rank}: {coords}"]
+        if self.sync:
+            out.append(f"  {self.sync}")
         if self.parallelized_by != "lightning-dist":
             return [*out, f"  laid out by the module's own {self.parallelized_by}"]
         if self.blocks:

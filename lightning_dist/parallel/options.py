@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 #: What a step whose gradient norm is NaN / Inf does: end the run, or drop the update and train on.
 NONFINITE_ACTIONS = ("stop", "skip")
+#: How replicas on ``dp_replicate`` agree: gradients averaged every step, or DiLoCo's outer steps every H steps.
+SYNCS = ("every_step", "diloco")
+#: How DiLoCo's pseudo-gradients travel (see :mod:`lightning_dist.parallel.diloco`).
+COMPRESSIONS = ("fp32", "bf16", "int8")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -51,6 +55,18 @@ class ParallelOptions:
         async_save: Checkpoints are copied to host memory and written in the background (DCP ``async_save``).
         process_group_backend: ``None`` = gloo on CPU, nccl on CUDA.
         timeout: Collective timeout: a rank that stops answering ends the job after this long.
+        sync: How the ``dp_replicate`` replicas agree: ``every_step`` (gradients averaged each step: DDP / HSDP) or
+            ``diloco`` (each replica trains alone; every ``diloco_every`` steps an outer step averages their progress:
+            DiLoCo, arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512). Needs ``dp_replicate > 1``.
+        diloco_every: DiLoCo: H, inner optimizer steps per outer step (per fragment).
+        diloco_outer_lr: DiLoCo: outer SGD learning rate.
+        diloco_outer_momentum: DiLoCo: outer SGD momentum (0 = none).
+        diloco_nesterov: DiLoCo: Nesterov momentum for the outer SGD (needs ``diloco_outer_momentum > 0``).
+        diloco_fragments: Streaming DiLoCo: F, contiguous parameter fragments synchronized H/F steps apart (1 = plain).
+        diloco_delay: Streaming DiLoCo: tau, inner steps a fragment's exchange overlaps before it is applied
+            (0 = blocking); below ``diloco_every // diloco_fragments``.
+        diloco_alpha: Streaming DiLoCo: mixing factor, new = (1 - alpha) x outer result + alpha x local parameters.
+        diloco_compression: DiLoCo: pseudo-gradients sent as ``fp32``, ``bf16`` or ``int8`` (per-block absmax).
 
     The precision policy is not here: Lightning's ``Trainer(precision=...)`` is its one source, and the strategy
     derives FSDP2's compute dtype from it.
@@ -74,6 +90,15 @@ class ParallelOptions:
     async_save: bool = False
     process_group_backend: str | None = None
     timeout: timedelta = field(default=DEFAULT_TIMEOUT)
+    sync: str = "every_step"
+    diloco_every: int = 50
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_nesterov: bool = True
+    diloco_fragments: int = 1
+    diloco_delay: int = 0
+    diloco_alpha: float = 0.0
+    diloco_compression: str = "fp32"
 
     def __post_init__(self) -> None:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
@@ -87,6 +112,41 @@ class ParallelOptions:
             )
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1, or None (pp x stages_per_rank).")
+        self._check_diloco()
+
+    @property
+    def diloco(self) -> bool:
+        """Whether the ``dp_replicate`` replicas train apart and meet in DiLoCo's outer steps."""
+        return self.sync == "diloco"
+
+    def _check_diloco(self) -> None:
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync={self.sync!r} is unknown; use every_step (DDP / HSDP) or diloco.")
+        every, fragments, delay = self.diloco_every, self.diloco_fragments, self.diloco_delay
+        if every < 1:
+            raise ValueError(f"diloco_every={every} must be >= 1 (inner steps per outer step).")
+        if not 1 <= fragments <= every:
+            raise ValueError(
+                f"diloco_fragments={fragments} must be in [1, diloco_every={every}] (fragments sync every/fragments "
+                "steps apart); lower it or raise diloco_every."
+            )
+        if not 0 <= delay < every // fragments:
+            raise ValueError(
+                f"diloco_delay={delay} must be in [0, diloco_every // diloco_fragments = {every // fragments}) so a "
+                "fragment's exchange lands before the next fragment's; lower it."
+            )
+        if not self.diloco_outer_lr > 0:
+            raise ValueError(f"diloco_outer_lr={self.diloco_outer_lr} must be > 0 (0.7 in the DiLoCo paper).")
+        if not 0 <= self.diloco_outer_momentum < 1:
+            raise ValueError(f"diloco_outer_momentum={self.diloco_outer_momentum} must be in [0, 1) (0.9: the paper).")
+        if self.diloco_nesterov and self.diloco_outer_momentum == 0:
+            raise ValueError("diloco_nesterov=true needs diloco_outer_momentum > 0; set one or diloco_nesterov=false.")
+        if not 0 <= self.diloco_alpha <= 1:
+            raise ValueError(f"diloco_alpha={self.diloco_alpha} must be in [0, 1] (0: take the outer result whole).")
+        if self.diloco_compression not in COMPRESSIONS:
+            raise ValueError(
+                f"diloco_compression={self.diloco_compression!r} is unknown; use {', '.join(COMPRESSIONS)}."
+            )
 
     @classmethod
     def build(cls, options: ParallelOptions | None = None, **overrides: Any) -> ParallelOptions:
@@ -126,6 +186,11 @@ class ParallelOptions:
             )
         if dims.pp_enabled:
             self.check_microbatches(dims.pp, prefix, per_rank_batch)
+        if self.diloco and dims.dp_replicate < 2:
+            raise ValueError(
+                f"{p}sync=diloco averages replicas on dp_replicate but the layout is {dims.describe()}; set "
+                f"{p}dp_replicate >= 2 or {p}sync=every_step."
+            )
 
     def check_microbatches(self, pp: int, prefix: str = "", per_rank_batch: int | None = None) -> None:
         """The pipeline's microbatches against its schedule (torch's own requirements) and the per-rank batch."""

@@ -34,6 +34,11 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
         # Of the layout options, Lightning's DDP takes the non-finite guard and the process-group settings.
         fields = {"on_nonfinite": on_nonfinite} if on_nonfinite is not None else {}
         self.options = ParallelOptions.build(options, **fields)
+        if self.options.diloco:  # Lightning's reducer averages every step: it cannot leave replicas apart
+            raise ValueError(
+                f"{type(self).__name__} averages gradients every step, so sync=diloco cannot run on it; use "
+                "MeshStrategy(dp_replicate=..., sync='diloco') or sync=every_step."
+            )
         kwargs.setdefault("process_group_backend", self.options.process_group_backend)
         kwargs.setdefault("timeout", self.options.timeout)
         super().__init__(*args, **kwargs)

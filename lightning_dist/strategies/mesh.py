@@ -40,11 +40,17 @@ from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.metrics import DataParallelMetricsMixin
+from lightning_dist.strategies.outer_sync import DiLoCoMixin
 from lightning_dist.strategies.stages import PipelineStages
 
 
 class MeshStrategy(
-    DataParallelMetricsMixin, GuardedStrategyMixin, LoaderOrderMixin, _compat.BeforeLaunchHook, ModelParallelStrategy
+    DiLoCoMixin,
+    DataParallelMetricsMixin,
+    GuardedStrategyMixin,
+    LoaderOrderMixin,
+    _compat.BeforeLaunchHook,
+    ModelParallelStrategy,
 ):
     """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
 
@@ -71,7 +77,7 @@ class MeshStrategy(
             the non-finite guard, async saves, process groups): a
             :class:`~lightning_dist.parallel.options.ParallelOptions`.
         option_fields: Single :class:`~lightning_dist.parallel.options.ParallelOptions` fields, set over
-            ``options`` (``MeshStrategy(tp=2, schedule="GPipe", activation_checkpointing="full")``).
+            ``options`` (``MeshStrategy(tp=2, schedule="GPipe")``; DiLoCo: ``dp_replicate=2, sync="diloco"``).
     """
 
     def __init__(
@@ -192,6 +198,7 @@ class MeshStrategy(
         if not self._parallelized:
             self._names = full.ModelNames.of(self.lightning_module)
             self.parallelize_module(self.lightning_module)
+            self._layout = self.with_sync(self._layout)
             self._parallelized = True
             # Once, at start-up: every rank's layout for describe(all_ranks=True) (a small object per rank).
             self._layouts = [None] * self.world_size
@@ -202,7 +209,7 @@ class MeshStrategy(
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)  # and DiLoCo, under sync=diloco (outer_sync.py)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.options.cpu_offload:  # offloaded state stays on the host
             _compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -253,6 +260,7 @@ class MeshStrategy(
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.save_replica_state(filepath)  # DiLoCo: each rank's own state, before DCP's (see outer_sync.py)
         if not self.options.async_save:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if self._checkpoint_group is None:  # the background writes' collectives: a gloo group of their own
@@ -280,7 +288,9 @@ class MeshStrategy(
             full.check_module_fits(path, full.shapes_of(checkpoint, path), self._names, strict)
             return checkpoint
         full.check_module_fits(path, full.checkpoint_shapes(path), self._names, strict)
-        return checkpoint_io.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+        rest = checkpoint_io.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+        self.load_replica_state(path)
+        return rest
 
     @property
     @override
@@ -291,6 +301,7 @@ class MeshStrategy(
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._single_file:
             full.load_model(self.model, checkpoint[full.MODEL_KEY], strict=strict)
+            self.reset_diloco()  # one file holds no replica's DiLoCo state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -370,7 +381,7 @@ class MeshStrategy(
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()  # forward + backward of the step's last (or only) micro batch
         norm = self._clip_gradients()
-        apply = partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs)
+        apply = self.with_outer_step(partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs))
         return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)
 
     def _clip_gradients(self) -> Tensor:

@@ -1,0 +1,381 @@
+"""DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512) over the ``dp_replicate`` axis.
+
+Each replica (a ``dp_replicate`` coordinate) trains on its own batches with its own inner optimizer; nothing is
+averaged over ``dp_replicate`` in the inner steps (FSDP2 shards over ``dp_shard`` only). Every H inner steps an outer
+step brings the replicas together: each rank's pseudo-gradient ``backup - current`` (its own local shards) is averaged
+over its ``dp_replicate`` group, an outer SGD (momentum, Nesterov) steps the backup with it, and the result is copied
+into the parameters. The backup and the outer SGD's momentum live in host memory, sharded as the parameters are
+(each rank keeps its local shards only).
+
+Streaming DiLoCo splits the parameters into F contiguous fragments synchronized H/F steps apart (fragment f at inner
+steps ``f * H // F + k * H``), so the exchange is spread out; with ``delay`` = tau > 0 a fragment's exchange is started
+at its sync step and applied tau inner steps later (overlapping them), merged with the local parameters trained
+meanwhile as ``(1 - alpha) x outer result + alpha x local``. F=1, tau=0, alpha=0 is plain DiLoCo, the same code path.
+
+Compression of the pseudo-gradient (what each rank puts on the wire, counted in :attr:`DiLoCo.bytes_last_sync`):
+
+- ``fp32``: one all-reduce (sum, then / n) of the fp32 pseudo-gradients: 4 bytes per element.
+- ``bf16``: each rank's pseudo-gradient cast to bf16 and all-gathered (2 bytes per element sent); the mean is taken
+  in fp32 after the cast back, in rank order, so every replica gets the same bits and nothing overflows or loses
+  precision in a bf16 sum. Error of the mean: ``|err| <= 2**-8 x mean_r |x_r|`` per element (bf16 keeps 8
+  significant bits, rounding to nearest).
+- ``int8``: per block of :data:`INT8_BLOCK` elements, ``scale = absmax / 127`` and ``q = round(x / scale)``; the int8
+  values and the fp32 scales travel in one all-gather (1 byte per element + 4 bytes per block) and are dequantized and
+  averaged in fp32 (no int8 sum that could overflow). Error of the mean: ``|err| <= max_r scale_r / 2`` per element.
+
+This module knows no Lightning: :class:`~lightning_dist.strategies.mesh.MeshStrategy` calls
+:meth:`DiLoCo.after_inner_step` after each applied inner optimizer step and saves :meth:`DiLoCo.state_dict` per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dist.parallel.options import COMPRESSIONS, ParallelOptions
+
+#: Elements per int8 quantization block (one fp32 scale each).
+INT8_BLOCK = 256
+
+
+# --------------------------------------------------------------------------------------------------- compression
+def payload_bytes(numel: int, compression: str) -> int:
+    """Bytes one rank sends for a pseudo-gradient of ``numel`` elements under ``compression``."""
+    if compression == "fp32":
+        return 4 * numel
+    if compression == "bf16":
+        return 2 * numel
+    return numel + 4 * math.ceil(numel / INT8_BLOCK)
+
+
+def compress(delta: Tensor, compression: str) -> Tensor:
+    """The 1-D payload for the fp32 pseudo-gradient ``delta`` (fp32: itself; bf16: cast; int8: values + scales)."""
+    if compression == "fp32":
+        return delta
+    if compression == "bf16":
+        return delta.to(torch.bfloat16)
+    return quantize_int8(delta)
+
+
+def decompress(payload: Tensor, numel: int, compression: str) -> Tensor:
+    """The fp32 values of one rank's ``payload`` (the inverse of :func:`compress`, up to its rounding)."""
+    if compression == "int8":
+        return dequantize_int8(payload, numel)
+    return payload.float()
+
+
+def quantize_int8(x: Tensor, block: int = INT8_BLOCK) -> Tensor:
+    """Per-block absmax int8: ``numel`` int8 values, then one fp32 scale per block as 4 int8 bytes each."""
+    flat = x.detach().float().reshape(-1)
+    numel = flat.numel()
+    blocks = math.ceil(numel / block)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block - numel)).view(blocks, block)
+    scale = padded.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale gives q = 0
+    q = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
+    return torch.cat([q, scale.contiguous().view(torch.int8)])
+
+
+def dequantize_int8(payload: Tensor, numel: int, block: int = INT8_BLOCK) -> Tensor:
+    """fp32 values of a :func:`quantize_int8` payload of ``numel`` elements."""
+    q, scale = payload[:numel].float(), payload[numel:].clone().view(torch.float32)  # clone: 4-byte aligned
+    return q * scale.repeat_interleave(block)[:numel]
+
+
+# ----------------------------------------------------------------------------------------------------- fragments
+def build_fragments(
+    named_sizes: Sequence[tuple[str, int]], num_fragments: int, blocks: Sequence[str] = ()
+) -> list[list[str]]:
+    """Split parameter names (in model order) into ``num_fragments`` contiguous groups of about equal size.
+
+    With ``blocks`` (module names such as ``layers.0``, from ``pipeline_spec()``) whole blocks are the units: a
+    parameter outside every block joins the unit before it (the first, for those before any block). Sizes should be
+    whole-tensor element counts so every rank draws the same fragments.
+
+    Raises:
+        ValueError: More fragments than units (blocks, or parameters without blocks).
+    """
+    units: list[list[str]] = []
+    sizes: list[int] = []
+    current = -1
+    for name, size in named_sizes:
+        owner = next((i for i, b in enumerate(blocks) if name.startswith(f"{b}.")), None)
+        if owner is None and blocks:
+            owner = max(current, 0)
+        elif owner is None:
+            owner = len(units)  # no blocks: every parameter is a unit
+        while len(units) <= owner:
+            units.append([])
+            sizes.append(0)
+        units[owner].append(name)
+        sizes[owner] += size
+        current = owner
+    units_and_sizes = [(u, s) for u, s in zip(units, sizes) if u]
+    kind = "blocks" if blocks else "parameters"
+    if num_fragments > len(units_and_sizes):
+        raise ValueError(
+            f"diloco_fragments={num_fragments} but the model has {len(units_and_sizes)} {kind} to split; use at most "
+            f"{len(units_and_sizes)}."
+        )
+    total = sum(s for _, s in units_and_sizes)
+    fragments: list[list[str]] = [[] for _ in range(num_fragments)]
+    done, f = 0, 0
+    for i, (unit, size) in enumerate(units_and_sizes):
+        left = len(units_and_sizes) - i
+        # next fragment when this unit would overshoot the share more than stopping short does, or when each
+        # fragment still to fill needs one of the units left
+        target = total * (f + 1) / num_fragments
+        closer = abs(done - target) <= abs(done + size - target)
+        if fragments[f] and f < num_fragments - 1 and (closer or left <= num_fragments - 1 - f):
+            f += 1
+        fragments[f].extend(unit)
+        done += size
+    return fragments
+
+
+def describe(options: ParallelOptions) -> str:
+    """One line such as ``DiLoCo over dp_replicate: H=50 F=1 tau=0 alpha=0 fp32``; ``""`` without DiLoCo."""
+    if not options.diloco:
+        return ""
+    return (
+        f"DiLoCo over dp_replicate: H={options.diloco_every} F={options.diloco_fragments} tau={options.diloco_delay} "
+        f"alpha={options.diloco_alpha:g} {options.diloco_compression} (outer SGD lr={options.diloco_outer_lr:g} "
+        f"momentum={options.diloco_outer_momentum:g}{' nesterov' if options.diloco_nesterov else ''})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- the rule
+@dataclass
+class _Exchange:
+    """One fragment's pseudo-gradient exchange, in flight until ``due`` (an inner step)."""
+
+    due: int
+    gathered: Tensor  # fp32: the sum (in place); bf16 / int8: every rank's payload, in rank order
+    numel: int
+    work: Any = None  # the collective's handle; None once waited for
+    average: Tensor | None = None  # the decompressed mean (restored from a checkpoint, or once waited for)
+
+
+class DiLoCo:
+    """DiLoCo's outer loop for this rank's parameter shards over its ``dp_replicate`` group.
+
+    Args:
+        params: This rank's ``(name, parameter)`` pairs in model order (DTensors or plain tensors).
+        group: The ``dp_replicate`` process group; ``None`` = no communication (one replica).
+        fragments: Parameter names per fragment (:func:`build_fragments`); ``None`` = one fragment.
+        every: H, inner steps per outer step of a fragment.
+        outer_lr: Outer SGD learning rate.
+        outer_momentum: Outer SGD momentum.
+        nesterov: Nesterov momentum.
+        delay: tau, inner steps between starting a fragment's exchange and applying it.
+        alpha: Mixing factor: parameters = (1 - alpha) x outer result + alpha x local.
+        compression: ``fp32``, ``bf16`` or ``int8``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, Tensor]],
+        group: dist.ProcessGroup | None,
+        *,
+        fragments: Sequence[Sequence[str]] | None = None,
+        every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        delay: int = 0,
+        alpha: float = 0.0,
+        compression: str = "fp32",
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression={compression!r} is unknown; use {', '.join(COMPRESSIONS)}.")
+        self._params = dict(params)
+        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(self._params)]
+        listed = [name for fragment in self.fragments for name in fragment]
+        if sorted(listed) != sorted(self._params):
+            raise ValueError("fragments must name every parameter exactly once; build them with build_fragments().")
+        self.every, self.delay, self.alpha, self.compression = every, delay, alpha, compression
+        self.offsets = [f * every // len(self.fragments) for f in range(len(self.fragments))]
+        self.group = group
+        self.num_replicas = dist.get_world_size(group) if group is not None else 1
+        self.step = 0  #: inner steps taken (the position in the cycle)
+        self.bytes_last_sync = 0  #: bytes this rank sent in its latest fragment exchange
+        self.bytes_total = 0  #: bytes this rank sent in every exchange so far
+        self._in_flight: dict[int, _Exchange] = {}
+        with torch.no_grad():
+            if group is not None:  # the replicas must start equal, however each built its model
+                for local in self._locals():
+                    dist.broadcast(local, group=group, group_src=0)
+            # fp32 on the host, sharded as the parameters: the outer state costs no accelerator memory
+            self.backup = {name: _local(p).detach().to("cpu", torch.float32, copy=True) for name, p in params}
+        self.outer = torch.optim.SGD(
+            list(self.backup.values()), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+        )
+        if outer_momentum > 0:  # made now, so a saved state always has them (SGD's first step gives the same values)
+            for tensor in self.backup.values():
+                self.outer.state[tensor]["momentum_buffer"] = torch.zeros_like(tensor)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[tuple[str, Tensor]],
+        group: dist.ProcessGroup | None,
+        options: ParallelOptions,
+        blocks: Sequence[str] = (),
+    ) -> DiLoCo:
+        """A :class:`DiLoCo` with ``options``' ``diloco_*`` fields; fragments from ``blocks`` (or sizes) when F > 1."""
+        fragments = None
+        if options.diloco_fragments > 1:
+            fragments = build_fragments([(n, p.numel()) for n, p in params], options.diloco_fragments, blocks)
+        return cls(
+            params, group, fragments=fragments, every=options.diloco_every, outer_lr=options.diloco_outer_lr,
+            outer_momentum=options.diloco_outer_momentum, nesterov=options.diloco_nesterov,
+            delay=options.diloco_delay, alpha=options.diloco_alpha, compression=options.diloco_compression,
+        )  # fmt: skip
+
+    def syncs_at(self, step: int) -> list[int]:
+        """The fragments whose exchange starts after inner step ``step`` (1-based)."""
+        return [f for f, offset in enumerate(self.offsets) if (step - offset) % self.every == 0]
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def after_inner_step(self) -> None:
+        """Count one applied inner optimizer step; run the outer steps (fragments) due after it."""
+        self.step += 1
+        for f, exchange in sorted(self._in_flight.items()):
+            if exchange.due == self.step:
+                self._apply(f)
+        for f in self.syncs_at(self.step):
+            self._start(f)
+            if self.delay == 0:
+                self._apply(f)
+
+    def _start(self, f: int) -> None:
+        names = self.fragments[f]
+        with torch.no_grad():
+            locals_ = [_local(self._params[name]) for name in names]
+            device = locals_[0].device
+            delta = torch.cat([
+                (self.backup[name].to(device, non_blocking=True) - local.float()).reshape(-1)
+                for name, local in zip(names, locals_)
+            ])  # fmt: skip
+        numel = delta.numel()
+        payload = compress(delta, self.compression)
+        self.bytes_last_sync = payload.numel() * payload.element_size()
+        self.bytes_total += self.bytes_last_sync
+        if self.group is None:
+            gathered, work = payload, None
+        elif self.compression == "fp32":
+            gathered, work = payload, dist.all_reduce(payload, group=self.group, async_op=True)
+        else:
+            gathered = payload.new_empty(self.num_replicas * payload.numel())
+            work = dist.all_gather_into_tensor(gathered, payload, group=self.group, async_op=True)
+        self._in_flight[f] = _Exchange(due=self.step + self.delay, gathered=gathered, numel=numel, work=work)
+
+    def _average(self, exchange: _Exchange) -> Tensor:
+        if exchange.average is None:
+            if exchange.work is not None:
+                exchange.work.wait()
+                exchange.work = None
+            if self.compression == "fp32":
+                exchange.average = exchange.gathered / self.num_replicas
+            else:
+                rows = exchange.gathered.view(self.num_replicas, -1)
+                total = decompress(rows[0], exchange.numel, self.compression)
+                for row in rows[1:]:  # rank order, in fp32: the same bits on every replica
+                    total = total + decompress(row, exchange.numel, self.compression)
+                exchange.average = total / self.num_replicas
+            exchange.gathered = exchange.average  # the payload buffers are no longer needed
+        return exchange.average
+
+    def _apply(self, f: int) -> None:
+        average = self._average(self._in_flight.pop(f)).to("cpu")
+        names = self.fragments[f]
+        start = 0
+        for name in names:
+            backup = self.backup[name]
+            backup.grad = average[start : start + backup.numel()].view_as(backup)
+            start += backup.numel()
+        self.outer.step()  # parameters without a gradient (other fragments) are left alone
+        with torch.no_grad():
+            for name in names:
+                local = _local(self._params[name])
+                result = self.backup[name].to(local.device, non_blocking=True)
+                if self.alpha:
+                    result = (1 - self.alpha) * result + self.alpha * local.float()
+                local.copy_(result)
+                self.backup[name].grad = None
+
+    def finish_in_flight(self) -> None:
+        """Wait for every exchange in flight (its result is kept and applied at its due step, not earlier)."""
+        for exchange in self._in_flight.values():
+            self._average(exchange)
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: backup shards, outer SGD state, position in the cycle, byte counts, its own parameter
+        shards (replicas differ between outer steps; a model checkpoint keeps one replica's) and each exchange in
+        flight, waited for first (:meth:`finish_in_flight`) and kept with its due step, so a resume applies it when
+        an uninterrupted run would have."""
+        self.finish_in_flight()
+        return {
+            "step": self.step,
+            "backup": {name: t.clone() for name, t in self.backup.items()},
+            "outer": self.outer.state_dict(),
+            "replica": {name: _local(p).detach().to("cpu", copy=True) for name, p in self._params.items()},
+            "in_flight": {f: {"due": e.due, "average": self._average(e).cpu()} for f, e in self._in_flight.items()},
+            "bytes_last_sync": self.bytes_last_sync,
+            "bytes_total": self.bytes_total,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into this rank (same layout and fragments), parameters included.
+
+        Raises:
+            ValueError: The saved shards have other names or shapes (another layout: DiLoCo state does not reshard).
+        """
+        shapes = {name: tuple(t.shape) for name, t in state["backup"].items()}
+        mine = {name: tuple(t.shape) for name, t in self.backup.items()}
+        if shapes != mine:
+            wrong = sorted(n for n in set(shapes) | set(mine) if shapes.get(n) != mine.get(n))
+            raise ValueError(
+                f"DiLoCo state holds other shards than this rank ({', '.join(wrong[:3])}); it does not reshard: "
+                "resume with the layout that saved it."
+            )
+        self.step = int(state["step"])
+        self.bytes_last_sync, self.bytes_total = int(state["bytes_last_sync"]), int(state["bytes_total"])
+        with torch.no_grad():
+            for name, tensor in state["backup"].items():
+                self.backup[name].copy_(tensor)
+            for name, tensor in state["replica"].items():
+                _local(self._params[name]).copy_(tensor)
+        self.outer.load_state_dict(state["outer"])
+        self._in_flight = {
+            int(f): _Exchange(
+                due=int(e["due"]), gathered=e["average"], numel=e["average"].numel(), average=e["average"]
+            )
+            for f, e in state["in_flight"].items()
+        }
+
+    def reset(self) -> None:
+        """Start a fresh cycle from the current parameters (after loading weights without DiLoCo state)."""
+        self._in_flight.clear()
+        self.step = 0
+        with torch.no_grad():
+            for name, p in self._params.items():
+                self.backup[name].copy_(_local(p))
+            for state in self.outer.state.values():
+                if "momentum_buffer" in state:
+                    state["momentum_buffer"].zero_()
+
+    def _locals(self) -> list[Tensor]:
+        return [_local(p) for p in self._params.values()]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (shares its storage), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

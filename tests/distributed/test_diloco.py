@@ -1,0 +1,178 @@
+"""DiLoCo over dp_replicate through the Trainer: exact against HSDP at H=1, replicas apart between outer steps and
+equal after, Streaming DiLoCo's staggered and delayed fragments, int8 exchanges, and a resume mid-cycle (with an
+exchange in flight) that continues exactly. One spawned group of 2 ranks (and one of 4) runs every case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import MeshStrategy
+from lightning_dist.parallel.diloco import payload_bytes
+from lightning_dist.run.launch import launch
+
+WIDTH, SAMPLES, BATCH = 8, 16, 4  # per rank at dp=2: 2 steps an epoch
+EXACT = {"diloco_every": 1, "diloco_outer_lr": 1.0, "diloco_outer_momentum": 0.0, "diloco_nesterov": False}
+
+
+class Net(pl.LightningModule):
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.optimizer = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # no momentum, no weight decay
+
+
+class Record(pl.Callback):
+    """Every parameter (whole) after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, np.ndarray]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in pl_module.named_parameters()}
+        self.params.append({n: t.detach().numpy().copy() for n, t in whole.items()})
+
+
+def _loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, WIDTH, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=BATCH)
+
+
+def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = None, save: bool = False, **strategy):
+    record = Record()
+    callbacks: list[pl.Callback] = [record]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1))
+    strategy_obj = MeshStrategy(**strategy)
+    trainer = quiet_trainer(strategy_obj, strategy_obj._degrees["dp_replicate"] * max(strategy.get("dp_shard", 1), 1),
+                            max_steps=-1, callbacks=callbacks, max_epochs=epochs, default_root_dir=root,
+                            enable_checkpointing=save)  # fmt: skip
+    trainer.fit(Net(optimizer), _loader(), ckpt_path=ckpt)
+    diloco = strategy_obj.diloco
+    out = {"params": record.params, "describe": "\n".join(strategy_obj.describe().lines())}
+    if diloco is not None:
+        out |= {"bytes_last": diloco.bytes_last_sync, "bytes_total": diloco.bytes_total, "numel": _local_numel(diloco)}
+        out["fragments"] = diloco.fragments
+    return out
+
+
+def _local_numel(diloco: Any) -> int:
+    return sum(t.numel() for t in diloco.backup.values())
+
+
+def _two_ranks(root: str) -> dict[str, Any]:
+    folder, replicas = Path(root), {"dp_replicate": 2, "dp_shard": 1}
+    diloco = {**replicas, "sync": "diloco"}
+    streaming = {**diloco, "diloco_every": 4, "diloco_fragments": 2}
+    resumable = {**streaming, "diloco_delay": 1, "diloco_alpha": 0.25, "diloco_compression": "int8"}
+    out = {
+        "hsdp": _fit(folder / "hsdp", 2, **replicas),
+        "exact": _fit(folder / "exact", 2, **diloco, **EXACT),
+        "h3": _fit(folder / "h3", 3, **diloco, diloco_every=3),
+        "streaming": _fit(folder / "streaming", 4, **streaming),
+        "delayed": _fit(folder / "delayed", 4, **streaming, diloco_delay=1),
+        "int8": _fit(folder / "int8", 2, **diloco, diloco_every=2, diloco_compression="int8"),
+        "whole": _fit(folder / "whole", 3, "adamw", **resumable),
+    }
+    # epoch 1 ends at step 2: fragment 1 started there and is due at step 3 (in flight at the save)
+    _fit(folder / "first", 1, "adamw", save=True, **resumable)
+    ckpt = next((folder / "first").glob("epoch=0*"))
+    out["resumed"] = _fit(folder / "resumed", 3, "adamw", ckpt=ckpt, **resumable)
+    return out
+
+
+def _four_ranks(root: str) -> dict[str, Any]:
+    layout = {"dp_replicate": 2, "dp_shard": 2}
+    return {
+        "hsdp": _fit(Path(root) / "hsdp", 2, **layout),
+        "exact": _fit(Path(root) / "exact", 2, **layout, sync="diloco", **EXACT),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_two_ranks, 2, str(tmp_path_factory.mktemp("diloco")))
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], names: list[str] | None = None) -> bool:
+    return all(np.array_equal(a[n], b[n]) for n in names or list(a))
+
+
+def _assert_close(run: dict, reference: dict) -> None:
+    assert len(run["params"]) == len(reference["params"]) > 0
+    for step, (got, want) in enumerate(zip(run["params"], reference["params"])):
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=f"step {step + 1} {name}")
+
+
+def test_h1_outer_sgd_lr1_equals_hsdp(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        _assert_close(rank["exact"], rank["hsdp"])
+    assert "DiLoCo over dp_replicate: H=1 F=1" in two_ranks[0]["exact"]["describe"]
+
+
+def test_replicas_apart_between_outer_steps_and_equal_after(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = (rank["h3"]["params"] for rank in two_ranks)
+    assert len(r0) == 6
+    equal = [_same(a, b) for a, b in zip(r0, r1)]
+    assert equal == [False, False, True, False, False, True]  # outer steps after inner steps 3 and 6
+    numel = two_ranks[0]["h3"]["numel"]
+    assert two_ranks[0]["h3"]["bytes_last"] == 4 * numel and two_ranks[0]["h3"]["bytes_total"] == 2 * 4 * numel
+
+
+def test_streaming_fragments_sync_staggered(two_ranks: list[dict[str, Any]]) -> None:
+    first, second = two_ranks[0]["streaming"]["fragments"]
+    assert first == ["net.0.weight"] and second == ["net.0.bias", "net.2.weight", "net.2.bias"]  # 128 | 33 elements
+    r0, r1 = (rank["streaming"]["params"] for rank in two_ranks)
+    assert [_same(a, b, first) for a, b in zip(r0, r1)] == [False, False, False, True, False, False, False, True]
+    assert [_same(a, b, second) for a, b in zip(r0, r1)] == [False, True, False, False, False, True, False, False]
+    # tau = 1: a fragment's exchange starts at its step and lands one inner step later
+    r0, r1 = (rank["delayed"]["params"] for rank in two_ranks)
+    assert [_same(a, b, first) for a, b in zip(r0, r1)] == [False, False, False, False, True, False, False, False]
+    assert [_same(a, b, second) for a, b in zip(r0, r1)] == [False, False, True, False, False, False, True, False]
+
+
+def test_int8_exchange_keeps_replicas_equal_and_counts_bytes(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = (rank["int8"]["params"] for rank in two_ranks)
+    assert [_same(a, b) for a, b in zip(r0, r1)] == [False, True, False, True]
+    run = two_ranks[0]["int8"]
+    assert run["bytes_last"] == payload_bytes(run["numel"], "int8") == run["numel"] + 4  # 161 int8 + 1 fp32 scale
+    assert run["bytes_total"] == 2 * run["bytes_last"]
+
+
+def test_resume_mid_cycle_continues_exactly(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        whole, resumed = rank["whole"]["params"], rank["resumed"]["params"]
+        assert len(whole) == 6 and len(resumed) == 4  # steps 3..6 after the checkpoint of step 2
+        for step, (got, want) in enumerate(zip(resumed, whole[2:]), start=3):
+            assert _same(got, want), f"step {step}"
+        assert rank["resumed"]["bytes_total"] == rank["whole"]["bytes_total"]
+    # and the two replicas really differed at the save (their own state was needed)
+    assert not _same(two_ranks[0]["whole"]["params"][1], two_ranks[1]["whole"]["params"][1])
+
+
+def test_h1_equals_hsdp_on_four_ranks(tmp_path: Path) -> None:
+    ranks = launch(_four_ranks, 4, str(tmp_path))
+    for rank in ranks:
+        _assert_close(rank["exact"], rank["hsdp"])
