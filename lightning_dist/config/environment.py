@@ -10,6 +10,7 @@ shell (a stray ``SLURM_PROCID``, an ``sbatch`` script's own environment) does no
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -193,3 +194,18 @@ def should_submit(cluster: Any) -> bool:
     """``cluster.launcher=slurm`` on a login node (``cluster``: the run's ``ClusterConfig``): not already a rank,
     nor inside a submitit job."""
     return cluster.launcher == "slurm" and launcher() is None and "SUBMITIT_EXECUTOR" not in os.environ
+
+
+def adopt_launcher_sizes(cluster: Any) -> None:
+    """Under torchrun / ``srun`` the processes per node and the nodes are the launcher's: taken, not asked again."""
+    stated = launcher_sizes()
+    if stated is None or stated == (cluster.devices, cluster.num_nodes):
+        return
+    if is_global_zero():
+        print(
+            f"cluster.devices={stated[0]} cluster.num_nodes={stated[1]}: as {launcher()} started the job "
+            f"(the config said {cluster.devices} x {cluster.num_nodes})",
+            file=sys.stderr,
+            flush=True,
+        )
+    cluster.devices, cluster.num_nodes = stated

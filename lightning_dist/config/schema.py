@@ -28,6 +28,29 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @dataclass
+class DiLoCoConfig:
+    """``parallelism.sync=diloco``: DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512) on the
+    ``dp_replicate`` axis (lightning_dist/parallel/diloco.py)."""
+
+    every: int = 50
+    """H: inner optimizer steps per outer step (per fragment)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer SGD momentum (0 = none)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD."""
+    fragments: int = 1
+    """Streaming: F contiguous groups of blocks, each synchronized H/F steps after the previous (1 = plain DiLoCo)."""
+    delay: int = 0
+    """Streaming: tau, inner steps a fragment's all-reduce overlaps before it is applied (0 = blocking)."""
+    alpha: float = 0.0
+    """Streaming: mixing factor; new = (1 - alpha) x outer result + alpha x local parameters."""
+    compression: str = "fp32"
+    """The pseudo-gradient exchange: fp32, bf16 or int8 (per-block absmax scale, one fp32 scale per 256 values)."""
+
+
+@dataclass
 class ParallelismConfig:
     """How the job is laid out over devices; degrees follow :class:`~lightning_dist.ParallelDims`."""
 
@@ -64,6 +87,10 @@ class ParallelismConfig:
     """torch.compile each block (after TP and activation checkpointing, before FSDP2); needs a C++ compiler on CPU."""
     cpu_offload: bool = False
     """FSDP2 keeps parameter shards, gradients and optimizer state in host memory; needs dp_shard or dp_replicate>1."""
+    sync: str = "every_step"
+    """How replicas (dp_replicate) stay together: every_step (gradients all-reduced, DDP / HSDP) or diloco (each
+    replica trains alone and an outer step averages their progress every diloco.every steps)."""
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
 
 
 @dataclass

@@ -18,7 +18,6 @@ import copy
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from hydra.utils import get_class
 
@@ -95,7 +94,7 @@ def validate(cfg: TrainConfig) -> ValidRun:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
     adopt_lightning_names(trainer, cluster)  # trainer.devices=4 is cluster.devices=4
     cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
-    _adopt_launcher_sizes(cluster)
+    environment.adopt_launcher_sizes(cluster)
     if cluster.collective_timeout_s <= 0:
         raise ValueError(f"cluster.collective_timeout_s={cluster.collective_timeout_s} must be > 0 (seconds).")
     if cluster.launcher not in ("local", "slurm"):
@@ -117,21 +116,6 @@ def validate(cfg: TrainConfig) -> ValidRun:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         trainer.enable_progress_bar = sys.stdout.isatty()
     return ValidRun(cfg=cfg, dims=dims, options=options)
-
-
-def _adopt_launcher_sizes(cluster: Any) -> None:
-    """Under torchrun / ``srun`` the processes per node and the nodes are the launcher's: taken, not asked again."""
-    stated = environment.launcher_sizes()
-    if stated is None or stated == (cluster.devices, cluster.num_nodes):
-        return
-    if environment.is_global_zero():
-        print(
-            f"cluster.devices={stated[0]} cluster.num_nodes={stated[1]}: as {environment.launcher()} started the job "
-            f"(the config said {cluster.devices} x {cluster.num_nodes})",
-            file=sys.stderr,
-            flush=True,
-        )
-    cluster.devices, cluster.num_nodes = stated
 
 
 def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
@@ -173,10 +157,13 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             async_save=cfg.checkpoint.async_save,
             process_group_backend=cfg.cluster.process_group_backend,
             timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
+            sync=par.sync,
+            **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},
         )
     except ValueError as err:  # the same message, named as the config field
-        group = "resilience." if str(err).startswith("on_nonfinite") else "parallelism."
-        raise ValueError(f"{group}{err}") from None
+        message = str(err)
+        group = "resilience." if message.startswith("on_nonfinite") else "parallelism."
+        raise ValueError(group + message.replace("diloco_", "diloco.")) from None
 
 
 # ------------------------------------------------------------------------------------------------ the run itself
@@ -217,6 +204,11 @@ def _check_run_fields(cfg: TrainConfig) -> None:
 # ------------------------------------------------------------------------------------------------ the layout
 def _check_strategy_can_do(par: ParallelismConfig) -> None:
     """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
+    if par.sync == "diloco" and par.strategy == "ddp":
+        raise ValueError(
+            "parallelism.sync=diloco cannot run on Lightning's DDP (it averages gradients every step); use "
+            "parallelism=diloco, or parallelism.strategy=fsdp (or tensor_parallel / pipeline_parallel) with it."
+        )
     cannot = _CANNOT_DO[par.strategy]
     bad = [axis for axis in cannot if getattr(par, axis) > 1]
     if bad:

@@ -1,0 +1,34 @@
+"""``parallelism.sync=diloco`` from the config: the preset, the fields reaching ParallelOptions, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import FAST, compose_config
+
+from lightning_dist.config.validate import validate
+
+
+def test_the_preset_and_its_fields_reach_the_options():
+    overrides = ["parallelism=diloco", "parallelism.diloco.every=20", "parallelism.diloco.fragments=2",
+                 "parallelism.diloco.compression=int8", "parallelism.diloco.delay=3"]  # fmt: skip
+    valid = validate(compose_config([*FAST, *overrides]))
+    options = valid.options
+    assert (options.sync, options.diloco_every, options.diloco_fragments) == ("diloco", 20, 2)
+    assert (options.diloco_compression, options.diloco_delay, options.diloco_outer_lr) == ("int8", 3, 0.7)
+    assert (valid.dims.dp_replicate, valid.dims.dp_shard) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.sync=diloco"], r"^parallelism.sync=diloco cannot run on Lightning's DDP"),
+        (["parallelism=diloco", "cluster.devices=1"], r"^parallelism.sync=diloco .* set parallelism.dp_replicate >= 2"),
+        (["parallelism=diloco", "parallelism.diloco.every=0"], r"^parallelism.diloco.every=0 must be >= 1"),
+        (["parallelism=diloco", "parallelism.diloco.compression=fp8"],
+         r"^parallelism.diloco.compression='fp8' is unknown; use fp32, bf16, int8"),
+        (["parallelism.sync=sometimes"], r"^parallelism.sync='sometimes' is unknown"),
+    ],
+)  # fmt: skip
+def test_a_diloco_config_that_cannot_run_is_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_config([*FAST, *overrides]))
