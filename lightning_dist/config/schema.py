@@ -91,6 +91,12 @@ class ParallelismConfig:
     """How replicas (dp_replicate) stay together: every_step (gradients all-reduced, DDP / HSDP) or diloco (each
     replica trains alone and an outer step averages their progress every diloco.every steps)."""
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    ddp_comm_hook: str | None = None
+    """parallelism=ddp: compress the gradient all-reduce with torch's DDP hook: bf16, fp16 or powersgd (rank 1, error
+    feedback, after 1000 plain steps); null = full precision. Not exact: the sums are rounded."""
+    reduce_dtype: str | None = None
+    """FSDP2 layouts: reduce gradients in fp32 or bf16 (half the bytes, rounded sums); null = fp32 under mixed
+    precision, else the parameters' dtype."""
 
 
 @dataclass

@@ -23,36 +23,15 @@ from hydra.utils import get_class
 
 from lightning_dist.config import environment
 from lightning_dist.config.pretrained import resolve_pretrained
-from lightning_dist.config.schema import HFModelConfig, ParallelismConfig, TargetConfig, TrainConfig
+from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import num_blocks, vocab_and_length
+from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
 from lightning_dist.config.trainer_args import adopt_lightning_names, check_trainer
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
-
-#: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
-#: every other name is our MeshStrategy, whose path follows from the degrees alone.
-_CANNOT_DO: dict[str, dict[str, str]] = {
-    "ddp": {
-        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
-        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
-        "dp_shard": "use parallelism=fsdp to shard",
-    },
-    "fsdp": {
-        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
-        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
-    },
-    "tensor_parallel": {"pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines"},
-    "pipeline_parallel": {},
-}
-_DOES = {
-    "ddp": "dp_replicate",
-    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
-    "tensor_parallel": "dp_replicate, dp_shard, tp",
-    "pipeline_parallel": "dp_replicate, dp_shard, tp, pp",
-}
 
 
 @dataclass(frozen=True)
@@ -90,8 +69,8 @@ def validate(cfg: TrainConfig) -> ValidRun:
 
         cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
     cfg.resume = None
-    if par.strategy not in _CANNOT_DO:
-        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(_CANNOT_DO)}.")
+    if par.strategy not in CANNOT_DO:
+        raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(CANNOT_DO)}.")
     adopt_lightning_names(trainer, cluster)  # trainer.devices=4 is cluster.devices=4
     cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
     environment.adopt_launcher_sizes(cluster)
@@ -103,7 +82,7 @@ def validate(cfg: TrainConfig) -> ValidRun:
         environment.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
     else:
         environment.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
-    _check_strategy_can_do(par)
+    check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
     split = split_batch(cfg, dims, per_rank_batch)
@@ -158,6 +137,8 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             process_group_backend=cfg.cluster.process_group_backend,
             timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
             sync=par.sync,
+            ddp_comm_hook=par.ddp_comm_hook,
+            reduce_dtype=par.reduce_dtype,
             **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},
         )
     except ValueError as err:  # the same message, named as the config field
@@ -202,23 +183,6 @@ def _check_run_fields(cfg: TrainConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the layout
-def _check_strategy_can_do(par: ParallelismConfig) -> None:
-    """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
-    if par.sync == "diloco" and par.strategy == "ddp":
-        raise ValueError(
-            "parallelism.sync=diloco cannot run on Lightning's DDP (it averages gradients every step); use "
-            "parallelism=diloco, or parallelism.strategy=fsdp (or tensor_parallel / pipeline_parallel) with it."
-        )
-    cannot = _CANNOT_DO[par.strategy]
-    bad = [axis for axis in cannot if getattr(par, axis) > 1]
-    if bad:
-        values = " ".join(f"parallelism.{axis}={getattr(par, axis)}" for axis in bad)
-        raise ValueError(
-            f"{values} is not possible with parallelism.strategy={par.strategy} (it does {_DOES[par.strategy]}); "
-            f"{cannot[bad[0]]}."
-        )
-
-
 def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions, per_rank_batch: int | None) -> None:
     """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches.
 

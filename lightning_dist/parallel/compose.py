@@ -87,6 +87,7 @@ def parallelize(
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=options.cpu_offload,
+            reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(options.reduce_dtype or ""),
         )
         for unit in [*fsdp_units, *roots]:
             group = unit if isinstance(unit, list) else [unit]

@@ -22,6 +22,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """Wrap each of ``units`` (transformer blocks), then each of ``roots`` (what owns the rest), with FSDP2.
 
@@ -38,10 +39,14 @@ def apply_fsdp(
             reduced in float32.
         reshard_after_forward: Free gathered parameters after forward (except the last unit's). Pipeline
             parallelism passes ``False`` so microbatches do not all-gather the same parameters again.
+        reduce_dtype: The dtype gradients are reduced in; ``None`` = float32 under ``param_dtype``, else the
+            parameters' own.
         cpu_offload: Keep the sharded parameters, their gradients and so the optimizer state in host memory; FSDP2
             copies a unit to the device for its all-gather (pinned memory where CUDA is available).
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32  # low-precision compute, full-precision gradient sums
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
     units = list(units)

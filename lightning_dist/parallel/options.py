@@ -29,6 +29,10 @@ NONFINITE_ACTIONS = ("stop", "skip")
 SYNCS = ("every_step", "diloco")
 #: How DiLoCo's pseudo-gradients travel (see :mod:`lightning_dist.parallel.diloco`).
 COMPRESSIONS = ("fp32", "bf16", "int8")
+#: Synchronous DDP's gradient compression: torch's DDP communication hooks (Lightning's DDP only).
+DDP_COMM_HOOKS = ("bf16", "fp16", "powersgd")
+#: FSDP2's gradient reduce-scatter / all-reduce dtype.
+REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -67,6 +71,11 @@ class ParallelOptions:
             (0 = blocking); below ``diloco_every // diloco_fragments``.
         diloco_alpha: Streaming DiLoCo: mixing factor, new = (1 - alpha) x outer result + alpha x local parameters.
         diloco_compression: DiLoCo: pseudo-gradients sent as ``fp32``, ``bf16`` or ``int8`` (per-block absmax).
+        ddp_comm_hook: Lightning's DDP: compress the gradient all-reduce with torch's hook, ``bf16`` / ``fp16``
+            (cast, all-reduce, cast back) or ``powersgd`` (rank-1 PowerSGD with error feedback, after torch's 1000
+            plain warm-up steps); ``None`` = full precision. Not exact: the sum is rounded.
+        reduce_dtype: FSDP2 (mesh layouts): the dtype gradients are reduced in, ``fp32`` or ``bf16`` (half the
+            bytes, rounded sums); ``None`` = fp32 under mixed precision, else the parameters' dtype.
 
     The precision policy is not here: Lightning's ``Trainer(precision=...)`` is its one source, and the strategy
     derives FSDP2's compute dtype from it.
@@ -99,6 +108,8 @@ class ParallelOptions:
     diloco_delay: int = 0
     diloco_alpha: float = 0.0
     diloco_compression: str = "fp32"
+    ddp_comm_hook: str | None = None
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
@@ -113,6 +124,14 @@ class ParallelOptions:
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1, or None (pp x stages_per_rank).")
         self._check_diloco()
+        if self.ddp_comm_hook is not None and self.ddp_comm_hook not in DDP_COMM_HOOKS:
+            raise ValueError(
+                f"ddp_comm_hook={self.ddp_comm_hook!r} is unknown; use {', '.join(DDP_COMM_HOOKS)} or null (none)."
+            )
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype!r} is unknown; use {', '.join(REDUCE_DTYPES)} or null (automatic)."
+            )
 
     @property
     def diloco(self) -> bool:
@@ -147,6 +166,15 @@ class ParallelOptions:
             raise ValueError(
                 f"diloco_compression={self.diloco_compression!r} is unknown; use {', '.join(COMPRESSIONS)}."
             )
+
+    def for_mesh(self) -> ParallelOptions:
+        """These options, checked for the mesh strategies: Lightning DDP's own options are refused, not ignored."""
+        if self.ddp_comm_hook is not None:
+            raise ValueError(
+                f"ddp_comm_hook={self.ddp_comm_hook!r} is Lightning DDP's; FSDP2 (the mesh strategies) halves its "
+                "gradient bytes with reduce_dtype='bf16' instead."
+            )
+        return self
 
     @classmethod
     def build(cls, options: ParallelOptions | None = None, **overrides: Any) -> ParallelOptions:

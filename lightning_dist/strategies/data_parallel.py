@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from typing_extensions import override
 
 from lightning_dist import _compat
@@ -39,9 +40,21 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
                 f"{type(self).__name__} averages gradients every step, so sync=diloco cannot run on it; use "
                 "MeshStrategy(dp_replicate=..., sync='diloco') or sync=every_step."
             )
+        if self.options.reduce_dtype is not None:
+            raise ValueError(
+                f"reduce_dtype={self.options.reduce_dtype!r} is FSDP2's; Lightning's DDP compresses its all-reduce "
+                "with ddp_comm_hook='bf16' (or fp16, powersgd)."
+            )
         kwargs.setdefault("process_group_backend", self.options.process_group_backend)
         kwargs.setdefault("timeout", self.options.timeout)
         super().__init__(*args, **kwargs)
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self.options.ddp_comm_hook is not None:
+            # Registered here on every device: Lightning registers its ddp_comm_hook argument on CUDA only.
+            self.model.register_comm_hook(*comm_hook(self.options.ddp_comm_hook))
 
     @override
     def setup_environment(self) -> None:
@@ -72,3 +85,12 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
             self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         apply = partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs)
         return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)
+
+
+def comm_hook(name: str) -> tuple[Any, Any]:
+    """``(state, hook)`` of torch's DDP communication hook ``name`` (``bf16``, ``fp16``, ``powersgd``), over DDP's
+    own process group (``state=None``; PowerSGD's state with torch's defaults: rank 1, error feedback, 1000 warm-up
+    steps of plain all-reduce)."""
+    if name == "powersgd":
+        return powerSGD_hook.PowerSGDState(process_group=None), powerSGD_hook.powerSGD_hook
+    return None, {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[name]

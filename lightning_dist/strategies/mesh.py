@@ -91,7 +91,7 @@ class MeshStrategy(
         options: ParallelOptions | None = None,
         **option_fields: Any,
     ) -> None:
-        self.options = ParallelOptions.build(options, **option_fields)
+        self.options = ParallelOptions.build(options, **option_fields).for_mesh()
         super().__init__(process_group_backend=self.options.process_group_backend, timeout=self.options.timeout)
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         self._parallel_dims = parallel_dims

@@ -32,3 +32,24 @@ def test_the_preset_and_its_fields_reach_the_options():
 def test_a_diloco_config_that_cannot_run_is_one_line(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate(compose_config([*FAST, *overrides]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.ddp_comm_hook=bf16"], r"^parallelism.ddp_comm_hook=bf16 needs CUDA and NCCL .* use "
+                                             r"parallelism.ddp_comm_hook=fp16"),
+        (["parallelism=fsdp", "parallelism.ddp_comm_hook=fp16"], r"^parallelism.ddp_comm_hook=fp16 is for "
+                                                                 r"parallelism=ddp; .* parallelism.reduce_dtype=bf16"),
+        (["parallelism.reduce_dtype=bf16"], r"^parallelism.reduce_dtype=bf16 is for FSDP2 layouts"),
+    ],
+)  # fmt: skip
+def test_gradient_compression_that_cannot_run_is_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_config([*FAST, *overrides]))
+
+
+def test_gradient_compression_reaches_the_options():
+    assert validate(compose_config([*FAST, "parallelism.ddp_comm_hook=fp16"])).options.ddp_comm_hook == "fp16"
+    fsdp = validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.reduce_dtype=bf16"]))
+    assert fsdp.options.reduce_dtype == "bf16"

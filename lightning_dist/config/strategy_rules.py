@@ -1,0 +1,60 @@
+"""Which ``parallelism.strategy`` can do which degrees and options: checked before any degree arithmetic, so the
+message names the strategy and the fix rather than a world-size mismatch."""
+
+from __future__ import annotations
+
+from lightning_dist.config.schema import ParallelismConfig
+
+#: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
+#: every other name is our MeshStrategy, whose path follows from the degrees alone.
+CANNOT_DO: dict[str, dict[str, str]] = {
+    "ddp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+        "dp_shard": "use parallelism=fsdp to shard",
+    },
+    "fsdp": {
+        "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
+        "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
+    },
+    "tensor_parallel": {"pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines"},
+    "pipeline_parallel": {},
+}
+DOES = {
+    "ddp": "dp_replicate",
+    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
+    "tensor_parallel": "dp_replicate, dp_shard, tp",
+    "pipeline_parallel": "dp_replicate, dp_shard, tp, pp",
+}
+
+
+def check_strategy_can_do(par: ParallelismConfig, accelerator: str = "cpu") -> None:
+    """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
+    if par.sync == "diloco" and par.strategy == "ddp":
+        raise ValueError(
+            "parallelism.sync=diloco cannot run on Lightning's DDP (it averages gradients every step); use "
+            "parallelism=diloco, or parallelism.strategy=fsdp (or tensor_parallel / pipeline_parallel) with it."
+        )
+    if par.ddp_comm_hook is not None and par.strategy != "ddp":
+        raise ValueError(
+            f"parallelism.ddp_comm_hook={par.ddp_comm_hook} is for parallelism=ddp; FSDP2 layouts halve their gradient "
+            "bytes with parallelism.reduce_dtype=bf16."
+        )
+    if par.ddp_comm_hook == "bf16" and accelerator != "gpu":
+        raise ValueError(
+            f"parallelism.ddp_comm_hook=bf16 needs CUDA and NCCL 2.10+ (torch's rule) and cluster.accelerator is "
+            f"{accelerator}; use parallelism.ddp_comm_hook=fp16 there."
+        )
+    if par.reduce_dtype is not None and par.strategy == "ddp":
+        raise ValueError(
+            f"parallelism.reduce_dtype={par.reduce_dtype} is for FSDP2 layouts; parallelism=ddp compresses with "
+            "parallelism.ddp_comm_hook=bf16 (or fp16, powersgd)."
+        )
+    cannot = CANNOT_DO[par.strategy]
+    bad = [axis for axis in cannot if getattr(par, axis) > 1]
+    if bad:
+        values = " ".join(f"parallelism.{axis}={getattr(par, axis)}" for axis in bad)
+        raise ValueError(
+            f"{values} is not possible with parallelism.strategy={par.strategy} (it does {DOES[par.strategy]}); "
+            f"{cannot[bad[0]]}."
+        )
