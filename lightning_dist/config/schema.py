@@ -180,6 +180,9 @@ class HardwareConfig:
     """Fraction of peak the model's matmuls reach (the step's compute time = FLOPs / (peak x this))."""
     context_gib: float = 1.0
     """Device memory the CUDA context and libraries take before training."""
+    memory_tbps: float = 3.35
+    """Device memory bandwidth, TB/s; the memory-bound share of a step scales with it (3.35: H100 SXM HBM3, where
+    compute_efficiency is stated)."""
 
 
 @dataclass
@@ -200,6 +203,18 @@ class PlanConfig:
     """With ``trace``: follow the traced step's tensors with torch's MemTracker for its peak (slower: minutes)."""
     show_all: bool = False
     """The table includes layouts that do not fit."""
+    tokens: float | None = None
+    """Token budget: print the cost curve (best sync and best DiLoCo layout per GPU count, time and cost to train
+    this many tokens) instead of the ranked table."""
+    price_per_gpu_hour: float | None = None
+    """USD per GPU-hour for the cost curve (cost = hours x price x GPUs); None leaves the cost out."""
+    gpus: list[int] = field(default_factory=list)
+    """GPU counts of the cost curve; empty: one node (hardware.gpus_per_node), doubling up to 1024."""
+    syncs: list[str] = field(default_factory=lambda: ["every_step", "diloco"])
+    """How replicas agree, searched where dp_replicate > 1: every_step (DDP / HSDP), diloco (at parallelism.diloco's
+    every / fragments / delay)."""
+    diloco_compressions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "int8"])
+    """DiLoCo pseudo-gradient compressions searched."""
 
 
 @dataclass

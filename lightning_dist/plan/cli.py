@@ -5,6 +5,8 @@ A Hydra app over the training configs, so a plan composes exactly as the run wou
     lightning-dist-plan model=llama_70b cluster=slurm cluster.num_nodes=32 hardware=h100_sxm data.seq_len=8192
     lightning-dist-plan recipe=llama_8b_slurm_2x8_h100 plan.format=json > plan.json
     lightning-dist-plan model=llama_8b cluster.num_nodes=2 plan.trace=true    # + one traced rank of the best layout
+    lightning-dist-plan model=llama_8b hardware=h100_ethernet_100gbps plan.tokens=1e12 plan.price_per_gpu_hour=2.5
+                                                    # the cost curve: sync vs DiLoCo for each GPU count
 
 The world is ``cluster.num_nodes`` x the devices of a node (``cluster.devices`` on a GPU cluster config, else
 ``hardware.gpus_per_node``); the batch is ``data.global_batch_size`` samples of ``data.seq_len`` tokens.
@@ -26,7 +28,8 @@ from rich.table import Table
 from lightning_dist.config.build import planned_model
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
 from lightning_dist.plan.collectives import per_axis, step_collectives
-from lightning_dist.plan.cost import ASSUMPTIONS, Estimate
+from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, stage_params
+from lightning_dist.plan.cost_curve import Row, cost_curve, diloco_fields, duration, short
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
 from lightning_dist.plan.search import rank
@@ -67,7 +70,17 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     if cfg.plan.format not in ("table", "json"):
         raise ValueError(f"plan.format={cfg.plan.format!r} is unknown; use table or json.")
     world, seq_len, batch = world_of(cfg), cfg.data.seq_len, cfg.data.global_batch_size
-    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan)
+    tokens = cfg.plan.tokens
+    if tokens is not None:
+        price = cfg.plan.price_per_gpu_hour
+        rows = cost_curve(cfg.model, cfg.hardware, seq_len, batch, cfg.plan, float(tokens), price,
+                          diloco_fields(cfg.parallelism))  # fmt: skip
+        if cfg.plan.format == "json":
+            print(json.dumps([row.to_json() for row in rows], indent=1))
+        else:
+            _print_cost_curve(cfg, rows, float(tokens), price)
+        return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
+    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism))
     if not found:
         raise ValueError(
             f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
@@ -88,9 +101,9 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
     shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
     table = Table(title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
                   f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step")  # fmt: skip
-    for column in ("#", "pp", "tp", "dp rep x shard", "schedule", "m", "mb", "AC", "GiB", "tok/s/dev", "MFU",
+    for column in ("#", "pp", "tp", "dp rep x shard", "schedule", "m", "mb", "AC", "sync", "GiB", "tok/s/dev", "MFU",
                    "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
-        table.add_column(column, justify="right" if column not in ("schedule", "AC") else "left")
+        table.add_column(column, justify="right" if column not in ("schedule", "AC", "sync") else "left")
     for i, e in enumerate(shown, 1):
         lay = e.layout
         comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
@@ -98,11 +111,44 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
             str(i), str(lay.pp), str(lay.tp), f"{lay.dp_replicate} x {lay.dp_shard}",
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
             str(lay.micro_batch), lay.ac if lay.ac != "selective" else lay.ac_selective,
-            f"{e.memory.total / GIB:.1f}", f"{e.tokens_per_sec_per_device:,.0f}",
+            lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step", f"{e.memory.total / GIB:.1f}",
+            f"{e.tokens_per_sec_per_device:,.0f}",
             f"{e.mfu:.1%}", f"{e.bubble_fraction:.2f}", comm, "yes" if e.fits else "no",
         )  # fmt: skip
-    console = Console(width=160)
+    console = Console(width=180)
     console.print(table)
+    _print_device(console, cfg)
+
+
+def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: float | None) -> None:
+    hw = cfg.hardware
+    params = stage_params(cfg.model, 1) / 1e9
+    table = Table(title=f"{params:.1f}B parameters, {tokens:.3g} tokens, {cfg.data.global_batch_size} x "
+                  f"{cfg.data.seq_len} tokens per step, {hw.name}, {hw.inter_node_gbps:g} GB/s per GPU between nodes"
+                  + (f", ${price:g} per GPU-hour" if price else ""))  # fmt: skip
+    for column in ("GPUs", "sync: best layout", "tok/s", "time", "cost", "DiLoCo: best layout", "tok/s", "time",
+                   "cost", "DiLoCo / sync"):  # fmt: skip
+        table.add_column(column, justify="left" if "layout" in column else "right")
+    for row in rows:
+        cells = [str(row.gpus)]
+        for point in (row.sync, row.diloco):
+            if point is None:
+                cells += [short(point), "-", "-", "-"]
+                continue
+            cost = "-" if point.cost is None else f"${point.cost:,.0f}"
+            cells += [short(point), f"{point.tokens_per_sec:,.0f}", duration(point.hours), cost]
+        both = row.sync and row.diloco
+        cells.append(f"{row.diloco.tokens_per_sec / row.sync.tokens_per_sec:.2f}x" if both else "-")
+        table.add_row(*cells)
+    console = Console(width=180)
+    console.print(table)
+    console.print("time = tokens / (tokens/s per GPU x GPUs); cost = time in hours x price per GPU-hour x GPUs; "
+                  "DiLoCo's loss at the same tokens is not modelled (see docs/planner.md)")  # fmt: skip
+    _print_device(console, cfg)
+
+
+def _print_device(console: Console, cfg: TrainConfig) -> None:
+    hw = cfg.hardware
     console.print(
         f"device: {hw.name}, {hw.peak_tflops} TFLOP/s bf16 at {hw.compute_efficiency:.0%}, {hw.memory_gib} GiB "
         f"({hw.context_gib} for the CUDA context), {hw.gpus_per_node} per node, {hw.intra_node_gbps} GB/s inside a "

@@ -9,7 +9,7 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
   ``dp_shard``, in the forward and again in the backward of every micro batch (the last block: in the forward
   only; pipeline stages keep them gathered: one per step); one reduce-scatter of the gradients in the reduce
   dtype; with replicas, one all-reduce of the reduced shard over ``dp_replicate`` (``dp_shard=1``: of the whole
-  gradient, no all-gather). Under sequence
+  gradient, no all-gather), except under DiLoCo, whose replicas exchange nothing in an inner step. Under sequence
   parallelism the norm weights' gradients are partial sums over tp: FSDP2 all-reduces each before its
   reduce-scatter; without FSDP2 the strategy sums them in one all-reduce.
 - **TP with sequence parallelism** per micro batch: per block an all-gather before attention and MLP and a
@@ -25,6 +25,11 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
   Lightning's per-batch SIGTERM broadcast); on logging steps the step loss's ``sync_dist`` (4 bytes) and the loss
   history of the steps since the last logging step (4 bytes each). Counted for ``log_every_n_steps=1``, where every
   step logs; with ``k`` the last two add up to ``4 + 4k`` bytes in 2 calls per ``k`` steps.
+- **DiLoCo's outer steps** (``sync="diloco"``, :func:`outer_collectives`; not per step: per cycle of H inner steps):
+  each of the F fragments of the rank's parameter shard once, over ``dp_replicate``, as
+  :mod:`lightning_dist.parallel.diloco` sends it: fp32 one all-reduce of 4 bytes per element; bf16 and int8 an
+  all-gather of every replica's payload (2 bytes per element; 1 byte per element plus one fp32 scale per block of
+  256), so its telemetry size is ``dp_replicate`` payloads. Per step on average: the cycle's bytes / H.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.diloco import build_fragments, payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import DP, REPORTED_AXIS
 from lightning_dist.plan.layout import Layout, stage_blocks
@@ -219,7 +225,7 @@ def step_collectives(
             if ds > 1:
                 add("dp_shard", "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
                 add("dp_shard", "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
-            if dr > 1:
+            if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
                 add("dp_replicate", "all_reduce", padded // ds * dt.reduce, 1, "FSDP2 gradients over replicas")
             for t in tensors_:
                 if t.partial_grad:
@@ -279,6 +285,58 @@ def step_collectives(
             add("pp" if pp == 2 else "other", "all_reduce", cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce, 1,
                 "tied embedding gradient")  # fmt: skip
     return out
+
+
+def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) -> list[Collective]:
+    """The collectives of one DiLoCo cycle (H inner steps) on pipeline rank ``stage``: one per fragment; ``[]``
+    without DiLoCo. Divide their bytes by H for a step's average (what the telemetry's per-step mean reads).
+
+    Raises:
+        ValueError: More fragments than the rank has blocks (the strategy refuses it too).
+    """
+    lay = layout
+    if not lay.diloco:
+        return []
+    opts, n, compression = lay.options, lay.dp_replicate, lay.options.diloco_compression
+    out = []
+    for numel in fragment_elements(cfg, lay, stage):
+        payload = payload_bytes(numel, compression)
+        if compression == "fp32":  # summed in place
+            out.append(Collective("dp_replicate", "all_reduce", payload, 1, "DiLoCo pseudo-gradient (fp32)"))
+        else:  # every replica's payload gathered, averaged in fp32 (parallel/diloco.py: no low-precision sum)
+            what = f"DiLoCo pseudo-gradient ({compression}, all-gathered)"
+            out.append(Collective("dp_replicate", "all_gather", n * payload, 1, what))
+    assert len(out) == opts.diloco_fragments
+    return out
+
+
+def fragment_elements(cfg: GPTConfig, layout: Layout, stage: int | None = None) -> list[int]:
+    """Elements of this rank's shard in each DiLoCo fragment, split by :func:`lightning_dist.parallel.diloco.
+    build_fragments` over whole blocks (the embedding with the first, the final norm and head with the last)."""
+    lay = layout
+    pp, tp, ds = lay.pp, lay.tp, lay.dp_shard
+    stage = (0 if pp <= 2 else 1) if stage is None else stage
+    sp = lay.sequence_parallel
+
+    def local(tensors: list[Tensor]) -> int:
+        return sum(t.padded(ds) // ds for t in tensors)  # FSDP2's dim-0 shard of rank 0
+
+    block = local(block_tensors(cfg, tp, sp))
+    named: list[tuple[str, int]] = []
+    blocks: list[str] = []
+    for v, (count, first, last) in enumerate(stage_units(cfg, pp, lay.stages_per_rank, lay.schedule, stage)):
+        if first:
+            named.append(("embedding", local(root_tensors(cfg, tp, True, False, pp, sp))))
+        for b in range(count):
+            blocks.append(f"{v}.{b}")
+            named.append((f"{v}.{b}.weights", block))
+        if last:
+            named.append(("head", local(root_tensors(cfg, tp, False, True, pp, sp))))
+    # Local sizes decide the split here, whole-tensor sizes in the strategy: they differ only by the replicated norm
+    # weights (d_model elements against a block's millions), which moves no boundary.
+    sizes = dict(named)
+    return [sum(sizes[name] for name in fragment) for fragment in build_fragments(named, lay.options.diloco_fragments,
+                                                                                  blocks)]  # fmt: skip
 
 
 def recomputed_blocks(layout: Layout, blocks: int) -> int:

@@ -15,9 +15,10 @@ from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.diloco import payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import AXES
-from lightning_dist.plan.collectives import Dtypes, step_collectives
+from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
 from lightning_dist.plan.layout import Layout, layer_params, stage_split
 from lightning_dist.plan.memory import GIB, MemoryEstimate, block_params, estimate_memory
 from lightning_dist.telemetry.comm import BUS_FACTORS
@@ -27,6 +28,19 @@ FSDP_OVERLAP = 0.9  # fraction of the compute time FSDP2's prefetched all-gather
 DDP_OVERLAP = 0.9  # the same for the replicate all-reduce, under the backward (2/3 of the compute)
 TP_OVERLAP = 0.8  # fraction of TP communication hidden where it is overlapped with the matmuls (not in our strategy)
 RECOMPUTE = {"none": 1.0, "selective": 1.03, "full": 4 / 3}  # compute with activation recomputation (6N -> 8N full)
+#: The device memory bandwidth (TB/s) compute_efficiency is stated at: the H100 SXM's HBM3 (datasheet 3.35 TB/s).
+REFERENCE_MEMORY_TBPS = 3.35
+#: Share of a step at the reference bandwidth spent in memory-bound (element-wise, unfused) kernels, which scales
+#: with the device's bandwidth. From torchtitan's Llama 3.1 8B FSDP runs on 2.4 TB/s HBM2e H100s: torch.compile's
+#: fusion took 13.6% (8 GPUs: 5,762 -> 6,667 tokens/s) and 14.0% (128 GPUs) off the eager step, 0.138 there, 0.103
+#: once that share runs at 3.35 TB/s (0.138 x 2.4/3.35 of a step of 1 - 0.138 + 0.138 x 2.4/3.35).
+MEMORY_BOUND_SHARE = 0.103
+#: Host memory traffic per rank (GB/s) of DiLoCo's outer step: pageable copies of the fp32 backup over PCIe and
+#: the CPU's Nesterov SGD on it (parallel/diloco.py keeps both on the host). A stated guess, not a measurement.
+HOST_GBPS = 20.0
+#: Host bytes per parameter element of an outer step: the backup copied to the device (4), the average back (4), the
+#: result to the device (4), and the SGD reading backup, gradient, momentum (12) and writing backup, momentum (8).
+HOST_BYTES_PER_ELEMENT = 32
 ASSUMPTIONS = [
     f"compute: the PaLM FLOPs per token (6N + 12 L H Q T) at hardware.compute_efficiency of peak; recomputation "
     f"multiplies it by {RECOMPUTE['selective']} (selective op: element-wise ops; op_half adds the forward of every "
@@ -44,6 +58,12 @@ ASSUMPTIONS = [
     " ZBVZeroBubble, DualPipeV) leave a third of that idle time",
     "links: tp inside a node; an axis whose groups span nodes runs at hardware.inter_node_gbps, else at "
     "intra_node_gbps (achievable bus bandwidth per device)",
+    f"memory bandwidth: {MEMORY_BOUND_SHARE:.1%} of the compute time at {REFERENCE_MEMORY_TBPS} TB/s is memory-bound "
+    "and scales with hardware.memory_tbps (torchtitan's eager vs compiled 8B steps)",
+    "DiLoCo: no replica traffic in inner steps; every H steps each fragment's pseudo-gradient crosses dp_replicate "
+    "(fp32 all-reduce; bf16 / int8 all-gather of every replica's payload), shown per step as the cycle's bytes / H; "
+    f"exposed unless delayed (tau > 0: hidden under tau inner steps), plus host work at {HOST_GBPS:g} GB/s "
+    f"({HOST_BYTES_PER_ELEMENT} bytes per element: backup copies and the CPU's outer SGD)",
 ]
 
 
@@ -120,6 +140,7 @@ def estimate(
         / lay.world
         * recompute_factor(cfg, lay, seq_len)
         / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+        * memory_factor(hw)
     )
 
     dtypes = Dtypes.of(precision)
@@ -151,6 +172,9 @@ def estimate(
     bubble = bubble_fraction(lay) if lay.pp > 1 else 0.0
     exposed = sum(c["exposed_s"] for c in comm.values())
     step_s = (compute_s + exposed) / (1 - bubble)
+    if lay.diloco:  # after the inner step, outside its bubble
+        step_s += _outer_sync(cfg, lay, hw, comm, step_s)
+        memory = replace(memory, outer_sync=_outer_sync_bytes(cfg, lay))
     per_device = tokens / step_s / lay.world
     return Estimate(
         layout=lay,
@@ -163,6 +187,43 @@ def estimate(
         mfu=flops_per_token * per_device / (hw.peak_tflops * 1e12),
         fits=memory.fits(hw.memory_gib, hw.context_gib),
     )
+
+
+def memory_factor(hw: HardwareConfig) -> float:
+    """Compute time on ``hw``'s memory over that at the reference bandwidth (:data:`MEMORY_BOUND_SHARE`)."""
+    tbps = hw.memory_tbps
+    return 1 - MEMORY_BOUND_SHARE + MEMORY_BOUND_SHARE * REFERENCE_MEMORY_TBPS / tbps
+
+
+def _outer_sync(cfg: GPTConfig, lay: Layout, hw: HardwareConfig, comm: dict[str, dict[str, float]],
+                inner_s: float) -> float:  # fmt: skip
+    """Add DiLoCo's outer sync to ``comm["dp_replicate"]`` as a per-step average; its exposed seconds per step.
+
+    Each fragment's exchange blocks (tau = 0) or overlaps tau inner steps of ``inner_s`` (the link otherwise idle);
+    the host work (backup copies, the outer SGD) is never hidden: parallel/diloco.py runs it in the step.
+    """
+    opts = lay.options
+    every, link = opts.diloco_every, _axis_link(hw, lay, "dp_replicate")
+    wire = [c.bytes * BUS_FACTORS[c.op](lay.dp_replicate) / link / 1e9 for c in outer_collectives(cfg, lay)]
+    exposed = sum(max(0.0, t - opts.diloco_delay * inner_s) for t in wire)
+    host = sum(fragment_elements(cfg, lay)) * HOST_BYTES_PER_ELEMENT / HOST_GBPS / 1e9
+    axis = comm.setdefault("dp_replicate", {"bytes": 0, "calls": 0, "seconds": 0.0, "exposed_s": 0.0})
+    axis["bytes"] += sum(c.bytes for c in outer_collectives(cfg, lay)) / every
+    axis["calls"] += opts.diloco_fragments / every
+    axis["seconds"] += sum(wire) / every
+    axis["exposed_s"] += (exposed + host) / every
+    axis["host_s"] = host / every
+    return (exposed + host) / every
+
+
+def _outer_sync_bytes(cfg: GPTConfig, lay: Layout) -> int:
+    """Device bytes of the largest fragment's exchange (parallel/diloco.py): the fp32 pseudo-gradient and its fp32
+    average; compressed, also the payload, every replica's payload gathered, and two fp32 rows while summing."""
+    numel = max(fragment_elements(cfg, lay))
+    compression = lay.options.diloco_compression
+    if compression == "fp32":
+        return 8 * numel
+    return 16 * numel + (lay.dp_replicate + 1) * payload_bytes(numel, compression)
 
 
 def recompute_factor(cfg: GPTConfig, layout: Layout, seq_len: int) -> float:
@@ -192,9 +253,9 @@ def _group_size(layout: Layout, axis: str) -> int:
 
 def _axis_link(hw: HardwareConfig, layout: Layout, axis: str) -> float:
     """Bus bandwidth of an axis: the mesh is row-major over ``AXES`` (pp outermost, tp innermost)."""
-    if axis == "pp":
-        apart = layout.world // layout.pp  # ranks between neighbouring stages
-        return hw.inter_node_gbps if apart >= hw.gpus_per_node else hw.intra_node_gbps
+    if axis == "pp":  # stages are contiguous blocks of ranks: once the world spans nodes, some hop crosses one, and
+        # a pipeline runs at its slowest hop
+        return hw.inter_node_gbps if layout.world > hw.gpus_per_node else hw.intra_node_gbps
     return _link(hw, _span(layout, axis))
 
 

@@ -10,7 +10,7 @@ from lightning_dist.config.validate import options_of
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import REPORTED_AXES, ParallelDims
-from lightning_dist.plan.collectives import per_axis, step_collectives
+from lightning_dist.plan.collectives import outer_collectives, per_axis, step_collectives
 from lightning_dist.plan.cost import estimate
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
@@ -67,7 +67,12 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
     states = [r["memory/params_gib"] + r["memory/optimizer_gib"] for r in history if "memory/params_gib" in r]
     memory = [r.get("memory/peak_allocated_gib", r.get("memory/rss_gib")) for r in history]
     measured_memory = max((m for m in memory if m is not None), default=None)
+    outer = {}
+    if layout.diloco:  # per outer cycle: a step's median misses it (the per-step average is comm_bytes / H)
+        cycle = sum(c.bytes for c in outer_collectives(cfg.model, layout, stage=0))
+        outer = {"DiLoCo bytes per outer cycle (H steps) on dp_replicate, rank 0": [cycle, None]}
     return {
+        **outer,
         "parameters + optimizer state GiB, largest rank": [
             round((found.memory.params + found.memory.optimizer) / GIB, 6), round(max(states), 6) if states else None],
         "peak memory GiB per rank": [round(found.memory.total / GIB, 3), measured_memory],

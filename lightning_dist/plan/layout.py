@@ -27,6 +27,8 @@ from lightning_dist.plan.memory import block_params
 #: The degrees in the plan's JSON: the data-parallel axes, then the others innermost first (dp_replicate, dp_shard,
 #: tp, pp).
 JSON_DEGREES: tuple[str, ...] = (*DP_AXES, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
+#: The DiLoCo options that change its cost (``diloco_<name>`` fields of ParallelOptions), in the plan's JSON.
+DILOCO_FIELDS: tuple[str, ...] = ("every", "fragments", "delay", "compression")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Layout:
             1 under pp, whose micro batches are the pipeline's (``options.microbatches``).
         tp_overlap: TP collectives overlapped with the matmuls (Megatron's ``--tp-comm-overlap``, async TP).
         ddp: Lightning's ``DDPStrategy`` (``parallelism=ddp``) rather than the mesh strategy's replicas.
+
+    DiLoCo (``options.sync="diloco"``, its ``diloco_*`` fields) is an option like the others: the replicas on
+    ``dp_replicate`` train apart and meet every ``diloco_every`` steps (:mod:`lightning_dist.plan.collectives`).
 
     Raises:
         ValueError: The layout cannot run (the degrees, the options, or the two together; one line naming the fix).
@@ -66,6 +71,8 @@ class Layout:
             )
         if self.ddp and self.dims.dp_replicate != self.dims.world_size:
             raise ValueError(f"ddp=True replicates the whole model but the layout is {self.dims.describe()}.")
+        if self.ddp and self.options.diloco:  # Lightning's reducer averages every step (strategies/data_parallel.py)
+            raise ValueError("ddp=True averages gradients every step; sync=diloco runs on the mesh strategy only.")
         self.options.check(self.dims)
 
     @classmethod
@@ -126,6 +133,16 @@ class Layout:
         return self.options.ac_selective
 
     @property
+    def diloco(self) -> bool:
+        """Whether the replicas on ``dp_replicate`` train apart and meet in DiLoCo's outer steps."""
+        return self.options.diloco
+
+    @property
+    def sync(self) -> str:
+        """How the replicas agree: ``every_step`` or ``diloco``."""
+        return self.options.sync
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.options.sequence_parallel
 
@@ -149,12 +166,25 @@ class Layout:
             "ddp": self.ddp,
             "sequence_parallel": self.sequence_parallel,
             "loss_parallel": self.loss_parallel,
+            "sync": self.sync,
+            **(
+                {f"diloco_{key}": getattr(self.options, f"diloco_{key}") for key in DILOCO_FIELDS}
+                if self.diloco
+                else {}
+            ),
         }
 
     def describe(self) -> str:
         degrees = f"pp{self.pp} tp{self.tp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
         pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
-        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}"
+        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}"
+
+    def describe_sync(self) -> str:
+        """`` diloco H=50 F=1 tau=0 int8`` under DiLoCo, else ``""``."""
+        if not self.diloco:
+            return ""
+        o = self.options
+        return f" diloco H={o.diloco_every} F={o.diloco_fragments} tau={o.diloco_delay} {o.diloco_compression}"
 
 
 # ------------------------------------------------------------------------------------------------ stage split

@@ -57,15 +57,17 @@ class MemoryEstimate:
     logits: int
     buffers: int
     margin: float = 0.10
+    outer_sync: int = 0  # DiLoCo's exchange buffers, after the step (activations freed): beside the states only
 
     @property
     def total(self) -> int:
-        parts = self.params + self.grads + self.optimizer + self.activations + self.logits + self.buffers
-        return int(parts * (1 + self.margin))
+        states = self.params + self.grads + self.optimizer
+        parts = states + self.activations + self.logits + self.buffers
+        return int(max(parts, states + self.outer_sync) * (1 + self.margin))
 
     def gib(self) -> dict[str, float]:
         """Every part and the total in GiB, rounded to 0.01."""
-        names = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
+        names = ("params", "grads", "optimizer", "activations", "logits", "buffers", "outer_sync", "total")
         return {name: round(getattr(self, name) / GIB, 2) for name in names}
 
     def fits(self, device_gib: float, context_gib: float = 1.0) -> bool:

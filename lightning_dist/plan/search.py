@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
@@ -15,7 +16,20 @@ from lightning_dist.plan.layout import Layout
 AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "op_half"), ("full", "op"))
 
 
-def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, plan: PlanConfig) -> Iterator[Layout]:
+#: Syncs and DiLoCo compressions searched when PlanConfig does not name them (its ``syncs`` /
+#: ``diloco_compressions`` fields, read with these defaults until the schema has them).
+SYNCS = ("every_step", "diloco")
+COMPRESSIONS = ("fp32", "bf16", "int8")
+
+
+def layouts(
+    cfg: GPTConfig,
+    world: int,
+    global_batch: int,
+    gpus_per_node: int,
+    plan: PlanConfig,
+    diloco: Mapping[str, Any] | None = None,
+) -> Iterator[Layout]:
     """Layouts of ``world`` ranks the model and batch allow.
 
     - pp divides the world and the layers (at most ``plan.max_pp``); tp divides the devices of a node and the
@@ -25,8 +39,12 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
     - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp every schedule (GPipe,
       1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; 2 stages per rank for the
       multi-stage ones) where torch accepts the microbatches and the layers split evenly;
-    - activation checkpointing none, selective (op: every matmul output kept; op_half: every other) and full.
+    - activation checkpointing none, selective (op: every matmul output kept; op_half: every other) and full;
+    - with replicas, each sync of ``plan.syncs``: every step, or DiLoCo with the run's H, F and tau (``diloco``:
+      ``ParallelOptions``' ``diloco_*`` fields) and each of ``plan.diloco_compressions``. H is not searched: it
+      trades quality for speed, and larger always looks faster to a throughput model.
     """
+    syncs = _syncs(plan, diloco)
     for pp in _divisors(world):
         if pp > plan.max_pp or cfg.n_layers % pp:
             continue
@@ -46,23 +64,52 @@ def layouts(cfg: GPTConfig, world: int, global_batch: int, gpus_per_node: int, p
                     microbatches, accumulate = (steps, 1) if pp > 1 else (None, steps)
                     for schedule, v in _schedules(cfg, pp, steps):
                         for ac, selective in AC_MODES:
-                            options = ParallelOptions(
-                                schedule=schedule,
-                                microbatches=microbatches,
-                                stages_per_rank=v,
-                                activation_checkpointing=ac,
-                                ac_selective=selective,
-                            )
-                            yield Layout(dims, options, micro, accumulate)
+                            for sync in syncs if replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) else [{}]:
+                                options = ParallelOptions(
+                                    schedule=schedule,
+                                    microbatches=microbatches,
+                                    stages_per_rank=v,
+                                    activation_checkpointing=ac,
+                                    ac_selective=selective,
+                                    **sync,
+                                )
+                                yield Layout(dims, options, micro, accumulate)
 
 
 def rank(
-    cfg: GPTConfig, hw: HardwareConfig, world: int, seq_len: int, global_batch: int, plan: PlanConfig
+    cfg: GPTConfig,
+    hw: HardwareConfig,
+    world: int,
+    seq_len: int,
+    global_batch: int,
+    plan: PlanConfig,
+    diloco: Mapping[str, Any] | None = None,
 ) -> list[Estimate]:
-    """Every layout estimated, those that fit first, each group by tokens/s per device (best first)."""
-    found = [estimate(cfg, lay, hw, seq_len, global_batch) for lay in layouts(cfg, world, global_batch,
-                                                                               hw.gpus_per_node, plan)]  # fmt: skip
-    return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.memory.total))
+    """Every layout estimated, those that fit first, each group by tokens/s per device (best first; on a tie,
+    synchronous before DiLoCo, whose replicas drift apart between outer steps)."""
+    found = [estimate(cfg, lay, hw, seq_len, global_batch)
+             for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco)]  # fmt: skip
+    return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.layout.diloco, e.memory.total))
+
+
+def _syncs(plan: PlanConfig, diloco: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The ParallelOptions fields of each sync searched (``{}``: every step)."""
+    out: list[dict[str, Any]] = []
+    for sync in plan.syncs:
+        if sync == "every_step":
+            out.append({})
+        elif sync == "diloco":
+            fields = {key: value for key, value in (diloco or {}).items() if key != "diloco_compression"}
+            for compression in plan.diloco_compressions:
+                out.append({"sync": "diloco", **fields, "diloco_compression": compression})
+        else:
+            raise ValueError(f"plan.syncs has {sync!r}; use every_step and / or diloco.")
+    return out
+
+
+def _fragments(diloco: Mapping[str, Any] | None) -> int:
+    """DiLoCo fragments: a pipeline rank needs a block for each."""
+    return int((diloco or {}).get("diloco_fragments", 1))
 
 
 def _divisors(n: int) -> list[int]:
