@@ -19,6 +19,8 @@ from torch import Tensor
 from typing_extensions import get_protocol_members
 
 from lightning_dist._compat import module_children
+from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.pipeline import PipelineSpec
 from lightning_dist.parallel.tensor import TensorParallelPlan
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class ParallelModule(Protocol):
-    """The hooks a LightningModule can define for tensor and pipeline parallelism (all optional)."""
+    """The hooks a LightningModule can define for tensor, pipeline and context parallelism (all optional)."""
 
     def compute_loss(self, batch: Any) -> Tensor:
         """Forward and loss of one batch; ``training_step`` and ``validation_step`` call it.
@@ -61,6 +63,21 @@ class ParallelModule(Protocol):
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool) -> None:
         """Raise a one-line ``ValueError`` naming the size and the fix when ``tp`` cannot split the model."""
 
+    def context_parallel_spec(self) -> ContextParallelSpec:
+        """Which modules hold the attention function and which buffers are per-position tables (see
+        :class:`~lightning_dist.parallel.context.ContextParallelSpec`). Needed for ``cp > 1``.
+
+        Batch contract: the strategy gives each cp rank its part of every batch tensor whose dim 1 is the sequence
+        length (dim 1 of the batch's first tensor of two or more dims), before ``training_step`` / ``validation_step``
+        / ``test_step`` / ``predict_step``; tensors of any other shape arrive whole. The gradients of the cp ranks are
+        averaged, so a loss that is a mean over this rank's tokens is the one-process loss when every cp rank counts
+        as many tokens (no ``-100`` targets); a loss normalized by a count over the whole batch must be multiplied by
+        ``cp``. ``predict_step`` outputs whose dim 1 is the local length are gathered back to the whole sequence.
+        """
+
+    def check_context_parallel(self, cp: int) -> None:
+        """Raise a one-line ``ValueError`` naming the reason and the fix when ``cp`` cannot split the model."""
+
     def reset_parameters(self) -> None:
         """Initialize every parameter after a strategy materialized the model from the meta device.
 
@@ -74,7 +91,15 @@ class ParallelModule(Protocol):
 
 #: The hook names of :class:`ParallelModule`.
 HOOKS: frozenset[str] = frozenset(
-    ("compute_loss", "tensor_parallel_plan", "pipeline_spec", "check_tensor_parallel", "reset_parameters")
+    (
+        "compute_loss",
+        "tensor_parallel_plan",
+        "pipeline_spec",
+        "check_tensor_parallel",
+        "context_parallel_spec",
+        "check_context_parallel",
+        "reset_parameters",
+    )
 )
 
 
@@ -93,6 +118,48 @@ def declared_blocks(module: Any) -> list[Any]:
         return []
     spec = spec_fn()
     return list(module_children(spec.blocks(spec.model(module))).values())
+
+
+def declared_tp_plan(module: Any, tp: int, options: ParallelOptions) -> TensorParallelPlan:
+    """The tensor-parallel plan for ``module``: ``options.plan`` when given, else the module's
+    ``tensor_parallel_plan()``, once its ``check_tensor_parallel`` (when it has one) accepted ``tp``.
+
+    Raises:
+        ValueError: The module has no plan and none was given, or its check refuses ``tp`` (one line).
+    """
+    check = module_hook(module, "check_tensor_parallel")
+    if check is not None:
+        check(tp, sequence_parallel=options.sequence_parallel)
+    if options.plan is not None:
+        return dict(options.plan)
+    method = module_hook(module, "tensor_parallel_plan")
+    if method is None:
+        raise ValueError(
+            f"tp={tp} but {type(module).__name__} has no tensor-parallel plan; pass "
+            "plan={'layers.*.q_proj': 'colwise', ...} to the strategy, define tensor_parallel_plan() on the "
+            "module, or parallelize it by hand in configure_model."
+        )
+    return method(sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
+
+
+def declared_cp_spec(module: Any, cp: int) -> ContextParallelSpec | None:
+    """``module``'s ``context_parallel_spec()`` once its ``check_context_parallel`` (when it has one) accepted ``cp``;
+    ``None`` at ``cp=1``.
+
+    Raises:
+        ValueError: The module has no spec, or its check refuses ``cp`` (one line).
+    """
+    if cp == 1:
+        return None
+    spec, check = module_hook(module, "context_parallel_spec"), module_hook(module, "check_context_parallel")
+    if spec is None:
+        raise ValueError(
+            f"cp={cp} but {type(module).__name__} has no context_parallel_spec() naming its attention modules and "
+            "position tables; define it (see lightning_dist.contract.ParallelModule) or set cp=1."
+        )
+    if check is not None:
+        check(cp)
+    return spec()
 
 
 # --------------------------------------------------------------------------- what lightning-dist reads from a strategy

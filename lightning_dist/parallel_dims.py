@@ -6,10 +6,12 @@ Degrees use the same names everywhere (config fields, Python arguments, mesh axe
 - ``dp_shard``: data-parallel shards (FSDP2; parameters sharded, all-gathered per use).
 - ``tp``: tensor parallel (DTensor; weights split inside a layer).
 - ``pp``: pipeline parallel (layers split into stages).
-- ``cp``: context parallel, reserved (must be 1).
+- ``cp``: context parallel (each sequence split along its length; the ranks of one ``cp`` group read the same batch).
 
-The device mesh is laid out ``(pp, dp_replicate, dp_shard, tp)``: ``tp`` is innermost so that a tensor-parallel
-group occupies neighbouring ranks (one node, the fastest links) and ``pp`` outermost (cheapest traffic).
+The device mesh is laid out ``(pp, dp_replicate, dp_shard, cp, tp)``: ``tp`` is innermost so that a tensor-parallel
+group occupies neighbouring ranks (one node, the fastest links), ``cp`` next (its all-gather of keys and values runs
+every layer), and ``pp`` outermost (cheapest traffic). FSDP2 shards over ``dp_shard x cp`` (the flattened axis
+``dp_shard_cp``): cp ranks hold the same parameters, so their gradients are averaged like data-parallel ones.
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ if TYPE_CHECKING:
 
 # The registry of axis names: every list of axes in the package is derived from these.
 #: Mesh axis names, outermost first.
-AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: The data-parallel mesh axes (their ranks read different batches), flattened on the mesh into the axis ``DP``.
 DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
 DP = "dp"
-#: Mesh axis (``DP`` included) -> the axis its communication is reported under: the data-parallel axes as ``DP``.
-REPORTED_AXIS: dict[str, str] = {axis: DP if axis in DP_AXES else axis for axis in (*AXES, DP)}
+#: Flattened axes: FSDP2 shards over ``dp_shard x cp`` (``DP_SHARD_CP``); the loss is averaged over ``dp x cp``
+#: (``DP_CP``: every rank that holds other tokens).
+DP_SHARD_CP = "dp_shard_cp"
+DP_CP = "dp_cp"
+#: Mesh axis (flattened ones included) -> the axis its communication is reported under: the data-parallel axes, and
+#: the flattened ones that span them, as ``DP``; ``cp`` as itself.
+REPORTED_AXIS: dict[str, str] = {axis: DP if axis in DP_AXES else axis for axis in (*AXES, DP)} | {
+    DP_SHARD_CP: DP,
+    DP_CP: DP,
+}
 #: The axes communication is reported under (telemetry's ``comm/<axis>/``, the planner): ``DP``, then the others
-#: innermost first, i.e. ``("dp", "tp", "pp")``.
+#: innermost first, i.e. ``("dp", "tp", "cp", "pp")``.
 REPORTED_AXES: tuple[str, ...] = (DP, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
 #: Degrees that may be ``-1`` ("what the other degrees leave of the world size"); at most one at a time.
 _FILLABLE: tuple[str, ...] = (*DP_AXES, "tp")
@@ -49,7 +59,7 @@ class ParallelDims:
         dp_shard: Data-parallel shard (FSDP2) degree; ``-1`` takes what the other degrees leave.
         tp: Tensor-parallel degree; ``-1`` takes what the other degrees leave.
         pp: Pipeline-parallel degree.
-        cp: Context-parallel degree (reserved, must be 1).
+        cp: Context-parallel degree: each sequence is split over ``cp`` ranks (not fillable with ``-1``).
 
     Raises:
         ValueError: The degrees do not describe ``world_size`` processes; the message names the fix.
@@ -69,8 +79,13 @@ class ParallelDims:
     def _validate(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1; set cluster.devices (and num_nodes) >= 1.")
-        if self.cp != 1:
-            raise ValueError(f"cp={self.cp}: context parallelism is reserved and not implemented yet; set cp=1.")
+        if self.cp < 1:
+            raise ValueError(f"cp={self.cp} must be >= 1; use cp=1 to turn context parallelism off.")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(
+                f"cp={self.cp} with pp={self.pp}: context parallelism does not run under a pipeline yet; "
+                "set cp=1 or pp=1."
+            )
         if self.pp < 1:
             raise ValueError(f"pp={self.pp} must be >= 1; use pp=1 to turn pp off.")
         for name in _FILLABLE:
@@ -93,8 +108,9 @@ class ParallelDims:
             setattr(self, rest[0], self.world_size // fixed)
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if product != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise ValueError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x pp={self.pp} = "
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} x pp={self.pp} = "
                 f"{product}, but world_size={self.world_size}; make the product equal the number of processes "
                 f"(or set dp_shard=-1 to take the rest)."
             )
@@ -115,8 +131,22 @@ class ParallelDims:
         return self.dp_size > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks that hold different tokens of a step (``dp x cp``): losses and metrics average over them."""
+        return self.dp_size * self.cp
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        """Whether gradients are synchronized at all (FSDP2 / replication over ``dp x cp``)."""
+        return self.dp_cp_size > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard * self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -133,7 +163,7 @@ class ParallelDims:
 
     # ------------------------------------------------------------------------------- coordinates (no process group)
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Coordinate of ``rank`` on each mesh axis (row-major over ``(pp, dp_replicate, dp_shard, tp)``)."""
+        """Coordinate of ``rank`` on each mesh axis (row-major over ``AXES``)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}.")
         coords: dict[str, int] = {}
@@ -149,13 +179,19 @@ class ParallelDims:
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
     def describe(self) -> str:
-        """One line such as ``dp_replicate=1 dp_shard=2 tp=2 pp=1 (world 4)``."""
-        parts = " ".join(f"{axis}={degree}" for axis, degree in self.degrees.items())
+        """One line such as ``pp=1 dp_replicate=1 dp_shard=2 tp=2 (world 4)`` (``cp`` shown when it is > 1)."""
+        parts = " ".join(f"{axis}={degree}" for axis, degree in self.degrees.items() if axis != "cp" or degree > 1)
         return f"{parts} (world {self.world_size})"
+
+    def check_seq_len(self, seq_len: int, name: str = "data.seq_len") -> None:
+        """Raise a one-line ``ValueError`` when ``seq_len`` cannot be split over ``cp`` ranks (see
+        :func:`check_context_parallel_seq_len`)."""
+        check_context_parallel_seq_len(self.cp, seq_len, name)
 
     # ---------------------------------------------------------------------------------------------- device mesh
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build (once) the 4-D device mesh with axes ``AXES``, a flattened ``dp`` axis, and Lightning's axis names.
+        """Build (once) the 5-D device mesh with axes ``AXES``, the flattened axis ``dp`` (and when ``cp > 1``
+        ``dp_shard_cp`` and ``dp_cp``), and Lightning's axis names.
 
         Needs an initialized default process group. Axes of degree 1 are kept so that ``mesh["tp"]`` etc. always
         exist; they cost nothing.
@@ -166,6 +202,9 @@ class ParallelDims:
 
             mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
             flatten_mesh(mesh, DP_AXES, DP)
+            if self.cp > 1:  # at cp=1 they are dp_shard and dp: no second process group of the same ranks
+                flatten_mesh(mesh, ("dp_shard", "cp"), DP_SHARD_CP)
+                flatten_mesh(mesh, (*DP_AXES, "cp"), DP_CP)
             # The names Lightning's ModelParallelStrategy gives its 2-D mesh, so a configure_model written for it
             # (Lightning's own examples) runs unchanged: device_mesh["data_parallel"], device_mesh["tensor_parallel"].
             flatten_mesh(mesh, DP_AXES, "data_parallel")
@@ -180,13 +219,30 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.mesh was read before build_mesh(); the strategy builds it in setup.")
         return self._mesh
 
+    @property
+    def loss_axis(self) -> str:
+        """The (flattened) mesh axis of the ranks holding other tokens of a step, which losses and metrics average
+        over: ``dp``, or ``dp_cp`` when ``cp > 1``."""
+        return DP_CP if self.cp > 1 else DP
+
     def group(self, axis: str):
         """The process group of this rank on mesh ``axis`` (``"pp"``, ``"tp"``, ``"dp"``, ...); needs the mesh."""
         return self.mesh[axis].get_group()
 
     @cached_property
     def fsdp_mesh_axes(self) -> tuple[str, ...]:
-        """Axes FSDP2 shards over: ``dp_shard``, with ``dp_replicate`` in front for HSDP / pure replication."""
-        if self.dp_replicate > 1:
-            return DP_AXES
-        return ("dp_shard",)
+        """Axes FSDP2 shards over: ``dp_shard`` (``dp_shard_cp`` when ``cp > 1``: cp ranks share parameters and
+        average gradients), with ``dp_replicate`` in front for HSDP / pure replication."""
+        shard = DP_SHARD_CP if self.cp > 1 else "dp_shard"
+        return ("dp_replicate", shard) if self.dp_replicate > 1 else (shard,)
+
+
+def check_context_parallel_seq_len(cp: int, seq_len: int, name: str = "data.seq_len") -> None:
+    """Raise a one-line ``ValueError`` unless ``seq_len`` splits into ``2 x cp`` equal chunks (head-tail balancing
+    gives each cp rank one chunk from the front and its mirror from the back). Torch-free: the pre-launch check."""
+    if cp > 1 and seq_len % (2 * cp):
+        lower = seq_len - seq_len % (2 * cp)
+        raise ValueError(
+            f"{name}={seq_len} is not divisible by 2 x cp = {2 * cp} (context parallelism splits each sequence into "
+            f"2 x cp chunks); use {name}={lower} or {lower + 2 * cp}, or another cp."
+        )

@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.config.environment import run_dir
+from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
@@ -25,78 +26,6 @@ from lightning_dist.models.optim_config import OptimConfig
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
 #: finds them as an editable install does.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-@dataclass
-class DiLoCoConfig:
-    """``parallelism.sync=diloco``: DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512) on the
-    ``dp_replicate`` axis (lightning_dist/parallel/diloco.py)."""
-
-    every: int = 50
-    """H: inner optimizer steps per outer step (per fragment)."""
-    outer_lr: float = 0.7
-    """Outer SGD learning rate (the paper's 0.7)."""
-    outer_momentum: float = 0.9
-    """Outer SGD momentum (0 = none)."""
-    nesterov: bool = True
-    """Nesterov momentum for the outer SGD."""
-    fragments: int = 1
-    """Streaming: F contiguous groups of blocks, each synchronized H/F steps after the previous (1 = plain DiLoCo)."""
-    delay: int = 0
-    """Streaming: tau, inner steps a fragment's all-reduce overlaps before it is applied (0 = blocking)."""
-    alpha: float = 0.0
-    """Streaming: mixing factor; new = (1 - alpha) x outer result + alpha x local parameters."""
-    compression: str = "fp32"
-    """The pseudo-gradient exchange: fp32, bf16 or int8 (per-block absmax scale, one fp32 scale per 256 values)."""
-
-
-@dataclass
-class ParallelismConfig:
-    """How the job is laid out over devices; degrees follow :class:`~lightning_dist.ParallelDims`."""
-
-    strategy: str = "ddp"
-    """Strategy name: ddp, fsdp, tensor_parallel or pipeline_parallel."""
-    dp_replicate: int = 1
-    """Data-parallel replicas (gradients all-reduced); -1 = the rest of the world size."""
-    dp_shard: int = -1
-    """Data-parallel shards (FSDP2, parameters sharded); -1 = the rest of the world size."""
-    tp: int = 1
-    """Tensor-parallel degree."""
-    pp: int = 1
-    """Pipeline-parallel degree (stages)."""
-    cp: int = 1
-    """Context-parallel degree: reserved, must be 1."""
-    sequence_parallel: bool = True
-    """Tensor parallel: shard norms and residuals along the sequence dim."""
-    loss_parallel: bool = True
-    """Tensor parallel: compute the cross-entropy on vocab-sharded logits (no all-gather of logits)."""
-    schedule: str = "1F1B"
-    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble."""
-    microbatches: int | None = None
-    """Pipeline microbatches per step; None = pp x stages_per_rank."""
-    stages_per_rank: int = 1
-    """Pipeline: virtual stages per rank (2 or more for interleaved / looped schedules)."""
-    split_points: list[str] | None = None
-    """Pipeline: module names that start a new stage (e.g. [layers.2]); None = balanced automatic split."""
-    activation_checkpointing: str = "none"
-    """none, full (every block recomputed in backward) or selective (see ac_selective); whole models and stages."""
-    ac_selective: str = "op"
-    """selective: op (keep matmul / attention outputs, recompute the rest), op_half (also recompute every second
-    matmul: torchtitan's policy) or n (every n-th block fully)."""
-    compile: bool = False
-    """torch.compile each block (after TP and activation checkpointing, before FSDP2); needs a C++ compiler on CPU."""
-    cpu_offload: bool = False
-    """FSDP2 keeps parameter shards, gradients and optimizer state in host memory; needs dp_shard or dp_replicate>1."""
-    sync: str = "every_step"
-    """How replicas (dp_replicate) stay together: every_step (gradients all-reduced, DDP / HSDP) or diloco (each
-    replica trains alone and an outer step averages their progress every diloco.every steps)."""
-    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
-    ddp_comm_hook: str | None = None
-    """parallelism=ddp: compress the gradient all-reduce with torch's DDP hook: bf16, fp16 or powersgd (rank 1, error
-    feedback, after 1000 plain steps); null = full precision. Not exact: the sums are rounded."""
-    reduce_dtype: str | None = None
-    """FSDP2 layouts: reduce gradients in fp32 or bf16 (half the bytes, rounded sums); null = fp32 under mixed
-    precision, else the parameters' dtype."""
 
 
 @dataclass

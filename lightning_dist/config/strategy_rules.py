@@ -12,6 +12,7 @@ CANNOT_DO: dict[str, dict[str, str]] = {
         "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
         "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
         "dp_shard": "use parallelism=fsdp to shard",
+        "cp": "use parallelism=fsdp (or tp, tp_fsdp) with parallelism.cp for context parallelism",
     },
     "fsdp": {
         "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",

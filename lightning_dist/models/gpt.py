@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,11 +115,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, heads, D)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal scaled dot-product attention; ``k`` / ``v`` may have fewer heads than ``q`` (grouped-query attention).
+
+    Args:
+        q: Queries, shape (B, H, T, D).
+        k: Keys, shape (B, K, T, D), K dividing H.
+        v: Values, shape (B, K, T, D).
+
+    Returns:
+        Shape (B, H, T, D).
+    """
+    groups = q.shape[1] // k.shape[1]  # query heads per key/value head
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+        v = v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with optional grouped-query attention and RoPE.
 
     Head counts are read from the projected tensors at run time, so a column-sharded ``q_proj`` / ``k_proj`` /
-    ``v_proj`` (whole heads per rank, as tensor parallelism does) works unchanged.
+    ``v_proj`` (whole heads per rank, as tensor parallelism does) works unchanged. The attention itself is the
+    attribute ``attention_fn`` (:func:`causal_attention`), so that code outside the model (context parallelism) can
+    put another one with the same signature in its place.
 
     Args:
         cfg: Model configuration.
@@ -132,6 +153,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+        self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None) -> Tensor:
         """Attend over the sequence.
@@ -152,11 +174,7 @@ class Attention(nn.Module):
             q = apply_rope(q, rope_cos, rope_sin)
             k = apply_rope(k, rope_cos, rope_sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        groups = q.shape[1] // k.shape[1]  # query heads per key/value head
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-            v = v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = self.attention_fn(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
 

@@ -1,4 +1,4 @@
-"""How the reference GPT is split: its tensor-parallel plan and its pipeline description.
+"""How the reference GPT is split: its tensor-parallel plan and its context-parallel spec.
 
 Kept next to ``gpt.py`` so the model file stays free of distributed code, and so a reader sees the model's
 module names and the plan that refers to them side by side.
@@ -16,6 +16,23 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.context import ContextParallelSpec
+
+
+def check_context_parallel(cfg: GPTConfig, cp: int) -> None:
+    """Raise a one-line ``ValueError`` when ``cp`` cannot split this model's sequences."""
+    if cp > 1 and cfg.arch != "llama":
+        # gpt2's learned position embedding is looked up by arange(T) inside forward: no table to re-index.
+        raise ValueError(f"cp={cp} with model.arch={cfg.arch!r}: context parallelism supports arch=llama; set cp=1.")
+
+
+def gpt_context_parallel_spec(prefix: str) -> ContextParallelSpec:
+    """Every block's attention function, and the RoPE tables (rows by position) of the GPT at ``prefix``."""
+    return ContextParallelSpec(
+        attention=(f"{prefix}layers.*.attn",),
+        positions=prefix.rstrip(".") or None,
+        position_tables=("rope_cos", "rope_sin"),
+    )
 
 
 def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, sequence_parallel: bool = True) -> None:

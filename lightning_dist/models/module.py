@@ -16,9 +16,15 @@ from torchmetrics import MeanMetric
 
 from lightning_dist import _compat
 from lightning_dist.models.gpt import GPT, GPTConfig
-from lightning_dist.models.gpt_parallel import check_tensor_parallel, gpt_tensor_parallel_plan
+from lightning_dist.models.gpt_parallel import (
+    check_context_parallel,
+    check_tensor_parallel,
+    gpt_context_parallel_spec,
+    gpt_tensor_parallel_plan,
+)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
+from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 
@@ -120,6 +126,14 @@ class GPTModule(pl.LightningModule):
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
         """Raise before sharding when ``tp`` cannot split this model."""
         check_tensor_parallel(self.model_config, tp, None, sequence_parallel)
+
+    def context_parallel_spec(self) -> ContextParallelSpec:
+        """The GPT's attention functions and RoPE tables, by module name relative to this module."""
+        return gpt_context_parallel_spec("model.")
+
+    def check_context_parallel(self, cp: int) -> None:
+        """Raise before sharding when ``cp`` cannot split this model's sequences."""
+        check_context_parallel(self.model_config, cp)
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config

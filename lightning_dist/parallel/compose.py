@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_dist.parallel.context import ContextParallelSpec, apply_context_parallel
 from lightning_dist.parallel.data import apply_fsdp
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
@@ -21,12 +22,13 @@ def parallelize(
     options: ParallelOptions,
     *,
     tp_plan: TensorParallelPlan | None = None,
+    cp_spec: ContextParallelSpec | None = None,
     fsdp_units: Sequence[nn.Module] = (),
     fsdp_roots: Sequence[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> Parallelized:
-    """Apply TP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
+    """Apply TP, CP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
     applies to both. Weights tied before stay tied after, or it raises.
@@ -34,8 +36,10 @@ def parallelize(
     Args:
         module: The module to parallelize; plan patterns are relative to it.
         dims: The layout; its mesh must be built.
-        options: How each axis works: activation checkpointing, compile and CPU offload are read here.
+        options: How each axis works: the cp attention, activation checkpointing, compile and CPU offload are read
+            here.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
+        cp_spec: The module's attention functions and position tables; required when ``dims.cp > 1``.
         fsdp_units: The model's blocks, in execution order: activation checkpointing applies to them, and FSDP2
             wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
@@ -44,7 +48,8 @@ def parallelize(
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
     Returns:
-        What was applied: the tensor-parallel style of each module, and the FSDP2 units by name.
+        What was applied: the tensor-parallel style of each module, the context-parallel attention, and the FSDP2
+        units by name.
     """
     mesh = dims.mesh
     ties = shared_parameters(module)
@@ -59,6 +64,16 @@ def parallelize(
             )
         applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
         retie(module, ties)
+    # 1b. Context parallelism: it changes no parameter (only the attention function and the position tables), so
+    #     it composes with TP in either order; before compile, so the compiled blocks call the cp attention.
+    context = ""
+    if dims.cp_enabled:
+        if cp_spec is None:
+            raise ValueError(
+                f"cp={dims.cp} needs the module's context_parallel_spec() (its attention modules and position "
+                "tables); define it on the LightningModule, or set cp=1."
+            )
+        context = apply_context_parallel(module, cp_spec, mesh["cp"].get_group(), options.cp_attention)
     # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
     #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
     apply_activation_checkpointing(fsdp_units, options.activation_checkpointing, options.ac_selective)
@@ -68,11 +83,12 @@ def parallelize(
     #    (ParallelOptions.check refused compile with tp before any rank started.)
     if options.compile:
         compile_blocks(fsdp_units)
-    # 4. FSDP2 / replication last, over the data-parallel axes (under DiLoCo dp_shard only, a size-1 mesh at
-    #    dp_shard=1: parameters stay DTensors either way, so checkpoints and clipping take one path).
+    # 4. FSDP2 / replication last, over the data-parallel axes and cp (cp ranks hold the same parameters; under
+    #    DiLoCo dp_shard (x cp) only, a size-1 mesh at dp_shard=cp=1: parameters stay DTensors either way, so
+    #    checkpoints and clipping take one path).
     names = {id(child): name for name, child in module.named_modules()}
     wrapped: list[str] = []
-    if dims.dp_enabled:
+    if dims.dp_cp_enabled:
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
         # together (a unit holding one is left to the root that holds the rest).
         tied = {id(module.get_parameter(group[0])) for group in ties}
@@ -93,13 +109,13 @@ def parallelize(
             group = unit if isinstance(unit, list) else [unit]
             wrapped.append(" + ".join(names.get(id(m), "") or "(root)" for m in group))
     check_ties_kept(module, ties)
-    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped))
+    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped), context=context)
 
 
 def data_parallel_axes(dims: ParallelDims, options: ParallelOptions) -> tuple[str, ...]:
     """The mesh axes FSDP2 shards and reduces gradients over: ``dims.fsdp_mesh_axes``, but never ``dp_replicate``
     under DiLoCo, whose replicas must train apart (only its outer step averages them)."""
-    return ("dp_shard",) if options.diloco else dims.fsdp_mesh_axes
+    return dims.fsdp_mesh_axes[-1:] if options.diloco else dims.fsdp_mesh_axes
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,8 @@ class Parallelized:
     """Module name -> tensor-parallel style applied (``ColwiseParallel``, ...)."""
     fsdp_units: tuple[str, ...] = ()
     """The FSDP2 units, in the order they were wrapped (``"a + b"``: modules sharing a parameter, one unit)."""
+    context: str = ""
+    """What context parallelism runs, in words; empty at ``cp=1``."""
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:

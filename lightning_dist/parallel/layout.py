@@ -26,6 +26,8 @@ class RankLayout:
             empty without a pipeline (the rank holds its shards of every block).
         tp_styles: Module name (the LightningModule's) -> tensor-parallel style applied; empty without TP.
         fsdp_units: The FSDP2 units, in the order they were wrapped; empty without data parallelism.
+        context: What context parallelism runs (the sequence split and the attention across cp), in words; empty at
+            ``cp=1``.
         sync: How its ``dp_replicate`` replicas agree when not every step (``DiLoCo over dp_replicate: H=50 ...``);
             empty for gradients averaged every step.
         parallelized_by: ``"lightning-dist"``, or ``"configure_model"`` when the module laid itself out (its DTensor
@@ -38,6 +40,7 @@ class RankLayout:
     blocks: tuple[tuple[str, ...], ...] = ()
     tp_styles: dict[str, str] = field(default_factory=dict)
     fsdp_units: tuple[str, ...] = ()
+    context: str = ""
     sync: str = ""
     parallelized_by: str = "lightning-dist"
 
@@ -67,6 +70,8 @@ class RankLayout:
                 by_style.setdefault(style, []).append(name)
             for style, names in sorted(by_style.items()):
                 out.append(f"  {style}: {_abbreviate(names)}")
+        if self.context:
+            out.append(f"  {self.context}")
         if self.fsdp_units:
             out.append(f"  FSDP2 units ({len(self.fsdp_units)}): {_abbreviate(list(self.fsdp_units))}")
         return out

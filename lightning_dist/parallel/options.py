@@ -31,6 +31,8 @@ SYNCS = ("every_step", "diloco")
 COMPRESSIONS = ("fp32", "bf16", "int8")
 #: Synchronous DDP's gradient compression: torch's DDP communication hooks (Lightning's DDP only).
 DDP_COMM_HOOKS = ("bf16", "fp16", "powersgd")
+#: Context parallelism's attention across the cp group (implementations: ``lightning_dist.parallel.context``).
+CP_ATTENTIONS = ("allgather",)
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -76,6 +78,8 @@ class ParallelOptions:
             plain warm-up steps); ``None`` = full precision. Not exact: the sum is rounded.
         reduce_dtype: FSDP2 (mesh layouts): the dtype gradients are reduced in, ``fp32`` or ``bf16`` (half the
             bytes, rounded sums); ``None`` = fp32 under mixed precision, else the parameters' dtype.
+        cp_attention: CP: the attention across the cp group, ``allgather`` (all-gather of keys and values; any
+            backend, exact).
 
     The precision policy is not here: Lightning's ``Trainer(precision=...)`` is its one source, and the strategy
     derives FSDP2's compute dtype from it.
@@ -110,6 +114,7 @@ class ParallelOptions:
     diloco_compression: str = "fp32"
     ddp_comm_hook: str | None = None
     reduce_dtype: str | None = None
+    cp_attention: str = "allgather"
 
     def __post_init__(self) -> None:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
@@ -128,6 +133,8 @@ class ParallelOptions:
             raise ValueError(
                 f"ddp_comm_hook={self.ddp_comm_hook!r} is unknown; use {', '.join(DDP_COMM_HOOKS)} or null (none)."
             )
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise ValueError(f"cp_attention={self.cp_attention!r} is unknown; use {', '.join(CP_ATTENTIONS)}.")
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype!r} is unknown; use {', '.join(REDUCE_DTYPES)} or null (automatic)."
@@ -207,7 +214,12 @@ class ParallelOptions:
         p = prefix
         if self.compile and dims.tp_enabled:
             raise ValueError(compile_with_tp_error(dims.tp, p))
-        if self.cpu_offload and not dims.dp_enabled:
+        if self.compile and dims.cp_enabled:
+            raise ValueError(
+                f"{p}compile=true with {p}cp={dims.cp}: compiled blocks with the context-parallel attention are not "
+                f"tested yet; set {p}compile=false or {p}cp=1."
+            )
+        if self.cpu_offload and not dims.dp_cp_enabled:
             raise ValueError(
                 f"{p}cpu_offload=true needs FSDP2 shards to offload but the layout is {dims.describe()}; set "
                 f"{p}dp_shard > 1 (e.g. parallelism=fsdp) or {p}cpu_offload=false."

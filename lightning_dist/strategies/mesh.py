@@ -1,4 +1,4 @@
-"""MeshStrategy: the one Lightning strategy for every layout of a ``(pp, dp_replicate, dp_shard, tp)`` device mesh.
+"""MeshStrategy: the one Lightning strategy for every layout of a ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh.
 
 Which path runs follows from the degrees alone: ``pp > 1`` splits the model into pipeline stages
 (:class:`~lightning_dist.strategies.stages.PipelineStages`), otherwise the whole model is parallelized. Both go through
@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -28,14 +28,15 @@ from typing_extensions import override
 from lightning_dist import _compat
 from lightning_dist.checkpoint import full
 from lightning_dist.checkpoint import store as checkpoint_io
-from lightning_dist.contract import declared_blocks, module_hook
+from lightning_dist.contract import declared_blocks, declared_cp_spec, declared_tp_plan, module_hook
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel.tensor import TensorParallelPlan, reduce_partial_grads
+from lightning_dist.parallel.tensor import reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.context import ContextParallelMixin
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
@@ -50,9 +51,10 @@ class MeshStrategy(
     GuardedStrategyMixin,
     LoaderOrderMixin,
     _compat.BeforeLaunchHook,
+    ContextParallelMixin,  # last before Lightning's: the step hooks above call it with the whole batch
     ModelParallelStrategy,
 ):
-    """Data, tensor and pipeline parallelism over one device mesh, with Lightning's loops, loggers and checkpoints.
+    """Data, tensor, context and pipeline parallelism on one device mesh, with Lightning's loops, loggers, checkpoints.
 
     Example::
 
@@ -72,7 +74,8 @@ class MeshStrategy(
         dp_shard: FSDP2 shard degree; ``-1`` = the rest.
         tp: Tensor-parallel degree; ``-1`` = the rest.
         pp: Pipeline degree.
-        parallel_dims: A layout built already (the app builds it once from the config); replaces the four degrees.
+        cp: Context-parallel degree (the module's ``context_parallel_spec()``; see ``strategies/context.py``).
+        parallel_dims: A layout built already (the app builds it once from the config); replaces the degrees.
         options: How the axes work (TP plan, schedule, microbatches, activation checkpointing, compile, offload,
             the non-finite guard, async saves, process groups): a
             :class:`~lightning_dist.parallel.options.ParallelOptions`.
@@ -86,6 +89,7 @@ class MeshStrategy(
         dp_shard: int = -1,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         *,
         parallel_dims: ParallelDims | None = None,
         options: ParallelOptions | None = None,
@@ -93,7 +97,7 @@ class MeshStrategy(
     ) -> None:
         self.options = ParallelOptions.build(options, **option_fields).for_mesh()
         super().__init__(process_group_backend=self.options.process_group_backend, timeout=self.options.timeout)
-        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
         self._parallel_dims = parallel_dims
         pp = parallel_dims.pp if parallel_dims is not None else pp
         if pp > 1:  # known before the world size: a pipeline option that cannot work fails at construction
@@ -220,10 +224,7 @@ class MeshStrategy(
         if any(isinstance(p, DTensor) for p in module.parameters()):
             self._layout = RankLayout.of(dims, self.global_rank, parallelized_by="configure_model")
             return  # parallelized by hand in configure_model
-        check = module_hook(module, "check_tensor_parallel")
-        if dims.tp_enabled and check is not None:
-            check(dims.tp, sequence_parallel=options.sequence_parallel)
-        tp_plan = self._tensor_parallel_plan(module) if dims.tp_enabled else None
+        tp_plan = declared_tp_plan(module, dims.tp, options) if dims.tp_enabled else None
         param_dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
@@ -232,24 +233,11 @@ class MeshStrategy(
             )  # fmt: skip
             self._layout = self._pipeline.layout
             return
-        done = parallelize(module, dims, options, tp_plan=tp_plan, fsdp_units=declared_blocks(module),
-                           param_dtype=param_dtype)  # fmt: skip
-        self._layout = RankLayout.of(dims, self.global_rank, tp_styles=done.tp_styles, fsdp_units=done.fsdp_units)
+        done = parallelize(module, dims, options, tp_plan=tp_plan, cp_spec=declared_cp_spec(module, dims.cp),
+                           fsdp_units=declared_blocks(module), param_dtype=param_dtype)  # fmt: skip
+        self._layout = RankLayout.of(dims, self.global_rank, **vars(done))  # its styles, FSDP2 units and cp attention
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only
-
-    def _tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan:
-        options = self.options
-        if options.plan is not None:
-            return dict(options.plan)
-        method = module_hook(module, "tensor_parallel_plan")
-        if method is None:
-            raise ValueError(
-                f"tp={self.parallel_dims.tp} but {type(module).__name__} has no tensor-parallel plan; pass "
-                "plan={'layers.*.q_proj': 'colwise', ...} to the strategy, define tensor_parallel_plan() on the "
-                "module, or parallelize it by hand in configure_model."
-            )
-        return method(sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
 
     # --------------------------------------------------------------------------------------------- checkpoints
     @override

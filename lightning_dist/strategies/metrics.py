@@ -1,8 +1,10 @@
-"""Logged values and torchmetrics metrics count each sample once: reduced over the data-parallel ranks only.
+"""Logged values and torchmetrics metrics count each token once: reduced over the data-parallel and cp ranks only.
 
 Ranks that differ only in their ``tp`` / ``pp`` coordinates read the same batch and log the same values (a pipeline
 sends its loss and outputs to every stage). Reducing over every rank, as Lightning and torchmetrics do by default,
-would count each sample ``tp x pp`` times in a sum, a count or a concatenation; a mean hides it.
+would count each sample ``tp x pp`` times in a sum, a count or a concatenation; a mean hides it. The ``cp`` ranks of
+one data-parallel rank hold different tokens of the same samples: their values are averaged with the data-parallel
+ones (the one-process mean when each holds as many counted tokens; a per-sample count counts a sample ``cp`` times).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ class DataParallelMetricsMixin:
 
     @cached_property
     def dp_group(self) -> torch.distributed.ProcessGroup:
-        """This rank's data-parallel process group (``dp_replicate`` x ``dp_shard``): the ranks with other batches."""
-        return self.parallel_dims.group("dp")
+        """This rank's data-parallel process group (``dp_replicate`` x ``dp_shard``, x ``cp``): the ranks with other
+        tokens."""
+        return self.parallel_dims.group(self.parallel_dims.loss_axis)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Lightning's ``sync_dist``: over the data-parallel group unless ``group`` is given (none at ``dp=1``)."""
         if isinstance(tensor, DTensor):  # the loss of a loss-parallel step is a replicated DTensor
             tensor = tensor.full_tensor()
         if group is None and self.parallel_dims.model_parallel_size > 1:
-            if self.parallel_dims.dp_size == 1:
+            if self.parallel_dims.dp_cp_size == 1:
                 return tensor  # every rank holds the same batch: nothing to reduce
             group = self.dp_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
@@ -48,7 +51,7 @@ class DataParallelMetricsMixin:
             # process_group None: torchmetrics' world group; a group or gather function of the user's is kept.
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
                 self._changed_metrics.append(metric)
-                if self.parallel_dims.dp_size == 1:
+                if self.parallel_dims.dp_cp_size == 1:
                     metric.dist_sync_fn = _own_states  # every rank holds the same samples: nothing to gather
                 else:
                     metric.process_group = self.dp_group
