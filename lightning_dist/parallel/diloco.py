@@ -30,7 +30,8 @@ This module knows no Lightning: :class:`~lightning_dist.strategies.mesh.MeshStra
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +208,8 @@ class DiLoCo:
         self.bytes_last_sync = 0  #: bytes this rank sent in its latest fragment exchange
         self.bytes_total = 0  #: bytes this rank sent in every exchange so far
         self._in_flight: dict[int, _Exchange] = {}
+        #: What a step's outer work (exchanges started or applied) runs inside: telemetry's timer, else nothing.
+        self.timer: Callable[[], AbstractContextManager[Any]] = nullcontext
         with torch.no_grad():
             if group is not None:  # the replicas must start equal, however each built its model
                 for local in self._locals():
@@ -244,15 +247,20 @@ class DiLoCo:
 
     # ------------------------------------------------------------------------------------------------ the step
     def after_inner_step(self) -> None:
-        """Count one applied inner optimizer step; run the outer steps (fragments) due after it."""
+        """Count one applied inner optimizer step; run the outer steps (fragments) due after it, inside
+        :attr:`timer`."""
         self.step += 1
-        for f, exchange in sorted(self._in_flight.items()):
-            if exchange.due == self.step:
+        due = [f for f, exchange in sorted(self._in_flight.items()) if exchange.due == self.step]
+        starting = self.syncs_at(self.step)
+        if not due and not starting:
+            return
+        with self.timer():
+            for f in due:
                 self._apply(f)
-        for f in self.syncs_at(self.step):
-            self._start(f)
-            if self.delay == 0:
-                self._apply(f)
+            for f in starting:
+                self._start(f)
+                if self.delay == 0:
+                    self._apply(f)
 
     def _start(self, f: int) -> None:
         names = self.fragments[f]

@@ -27,6 +27,7 @@ from lightning_dist.telemetry.comm import (
     axis_groups_from_mesh,
     register_ddp_comm_hook,
 )
+from lightning_dist.telemetry.outer import OuterSyncMeter
 from lightning_dist.telemetry.tables import comm_table, format_summary, layout_table, write_csv
 from lightning_dist.telemetry.throughput import (
     batch_size_and_tokens,
@@ -79,6 +80,8 @@ class Telemetry(pl.Callback):
     - ``memory/peak_allocated_gib`` / ``memory/peak_reserved_gib`` (CUDA), ``memory/rss_gib`` (host), and the model
       states a rank holds: ``memory/params_gib``, ``memory/grads_gib``, ``memory/optimizer_gib``; max over ranks.
     - ``pipeline/bubble_fraction`` (and its min / max over ranks) under ``PipelineParallelStrategy``.
+    - Under ``sync=diloco``: the outer exchange as ``comm/dp_replicate/``, and ``diloco/`` totals since the start
+      (:mod:`lightning_dist.telemetry.outer`).
 
     At the end of ``fit``: a table of communication per axis and op and a table of the layout (rank -> mesh
     coordinates) go to W&B (``telemetry/comm``, ``telemetry/layout``), or as CSV files next to ``metrics.csv`` for a
@@ -129,16 +132,13 @@ class Telemetry(pl.Callback):
         self._reset_fit_state()
 
     def _reset_fit_state(self) -> None:
-        self._every = 1
-        self._time_every = 1
+        self._every = self._time_every = 1
         self._timed_step_began = 0.0
         self._validation_began: float | None = None
         self._timing_before_validation = False
-        self._timed_steps = 0
-        self._timed_seconds = 0.0
+        self._timed_steps, self._timed_seconds = 0, 0.0
         self._dims: Any = None
-        self._world_size = 1
-        self._dp_size = 1
+        self._world_size = self._dp_size = 1
         self._device = torch.device("cpu")
         self._peak: float | None = None
         self._last_global_step = 0
@@ -147,11 +147,11 @@ class Telemetry(pl.Callback):
         self._last_end: float | None = None
         self._steps_in_window = 0
         self._data_seconds = 0.0
-        self._tokens = 0
-        self._samples = 0
+        self._tokens = self._samples = 0
         self._seq_len: int | None = None
         self._comm_at_last_log: dict[tuple[str, str], OpStats] = {}
         self._estimated_flops: float | None = None
+        self._outer: OuterSyncMeter | None = None
 
     # ------------------------------------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,9 +178,11 @@ class Telemetry(pl.Callback):
             self.tracker = CommTracker(groups, device_type=self._device.type, timing=False).install()
             model = trainer.strategy.model
             if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not register_ddp_comm_hook(model):
-                pl.utilities.rank_zero_warn(
-                    "Telemetry: the DDP model already has a comm hook, so its gradient all-reduce is not in comm/dp."
+                pl.utilities.rank_zero_warn(  # torch's own hooks call torch.distributed in Python: those are counted
+                    "Telemetry: the DDP model already has a comm hook; comm/dp counts what it sends through "
+                    "torch.distributed (torch's compression hooks do), not a C++ path."
                 )
+            self._outer = OuterSyncMeter.attach(trainer.strategy, self.tracker, self._device.type)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and trainer.is_global_zero:
                 for prefix in METRIC_PREFIXES:  # our keys against Lightning's step, whatever W&B's own step is
@@ -287,6 +289,8 @@ class Telemetry(pl.Callback):
         bubble = view.pop_bubble_fraction() if view is not None else None
         if bubble is not None:
             local["pipeline/bubble_fraction"] = bubble
+        outer = self._outer.metrics(self._num_steps, seconds) if self._outer is not None else {}
+        local.update(outer)
         low, high = self._min_max(local)
 
         metrics: dict[str, float] = {}
@@ -321,7 +325,7 @@ class Telemetry(pl.Callback):
         if timed:
             metrics["comm/fraction"] = local["comm/total_ms"] / local["comm/timed_step_ms"]
             metrics["comm/timed_steps"] = float(timed)
-        for key in [k for k in local if k.startswith("memory/")]:
+        for key in [k for k in local if k.startswith("memory/")] + list(outer):
             metrics[key] = high[key]
         if "pipeline/bubble_fraction" in local:
             key = "pipeline/bubble_fraction"
@@ -389,6 +393,8 @@ class Telemetry(pl.Callback):
         self._uninstall()
 
     def _uninstall(self) -> None:
+        if self._outer is not None:
+            self._outer.detach()
         if self.tracker is not None:
             self.tracker.flush()
             self.tracker.uninstall()

@@ -54,12 +54,16 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_dist._compat import resolve_process_group, wait_functional_collective
-from lightning_dist.parallel_dims import DP, DP_AXES, REPORTED_AXES, REPORTED_AXIS
+from lightning_dist.parallel_dims import DP, REPORTED_AXES, REPORTED_AXIS
 from lightning_dist.telemetry import torch_patches
 
+#: DiLoCo's outer exchange, reported apart (:meth:`CommTracker.apart`) so that its few large collectives are not mixed
+#: into the per-step traffic on ``dp`` (with ``dp_shard=1`` torch hands out one group object for every data-parallel
+#: axis, so the group alone cannot tell them apart).
+OUTER_AXIS = "dp_replicate"
 #: Axes in the order they are reported; ``world`` is the default group when it is no single axis, ``other`` is any
 #: group the tracker was not told about.
-AXIS_ORDER: tuple[str, ...] = (*REPORTED_AXES, "world", "other")
+AXIS_ORDER: tuple[str, ...] = (*REPORTED_AXES, OUTER_AXIS, "world", "other")
 
 #: nccl-tests' bus-bandwidth factor for an op on a group of ``n`` ranks (busbw = size / time x factor).
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
@@ -167,6 +171,7 @@ class CommTracker:
         self._axis_by_ranks: dict[tuple[int, ...], str] = {}
         self._keep_alive: list[Any] = []  # groups whose id() is a cache key must not be collected and reused
         self._world_axis = DP if axis_groups is None else None
+        self._apart: tuple[str, Any] | None = None  # (axis, group) while inside apart()
         for axis, groups in (axis_groups or {}).items():
             for group in groups:
                 self._register(REPORTED_AXIS.get(axis, axis), group)
@@ -180,12 +185,23 @@ class CommTracker:
         if size > 1:  # size-1 groups of unused axes share rank sets; they move nothing anyway
             self._axis_by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), axis)
 
+    @contextmanager
+    def apart(self, axis: str, group: dist.ProcessGroup) -> Iterator[None]:
+        """Report the collectives issued inside on this very ``group`` object under ``axis``."""
+        previous, self._apart = self._apart, (axis, group)
+        try:
+            yield
+        finally:
+            self._apart = previous
+
     def axis_of(self, group: Any) -> tuple[str, int]:
         """``(axis, group size)`` of a ``group`` argument as torch.distributed or the functional collectives take it.
 
         ``None`` is the default group; also accepted: a ProcessGroup, a group name, a 1-D DeviceMesh, a
         ``(DeviceMesh, dim)`` pair and a list of ranks. Unknown groups resolve by their ranks, else ``"other"``.
         """
+        if self._apart is not None and group is self._apart[1]:
+            return self._apart[0], group.size()
         key = id(group) if group is not None and not isinstance(group, str) else group
         found = self._axis_by_key.get(key)
         if found is None:
@@ -345,7 +361,7 @@ class CommTracker:
 
 # ------------------------------------------------------------------------------------------------------ patching
 # ------------------------------------------------------------------------------------------------------ helpers
-def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = (*DP_AXES, *REPORTED_AXES)) -> dict:
+def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = tuple(REPORTED_AXIS)) -> dict:
     """``{reported axis: [process groups]}`` of the named axes of a DeviceMesh that has them."""
     groups: dict[str, list[dist.ProcessGroup]] = {}
     for axis in axes:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dist import MeshStrategy
 from lightning_dist.parallel.diloco import payload_bytes
 from lightning_dist.run.launch import launch
+from lightning_dist.telemetry import Telemetry
 
 WIDTH, SAMPLES, BATCH = 8, 16, 4  # per rank at dp=2: 2 steps an epoch
 EXACT = {"diloco_every": 1, "diloco_outer_lr": 1.0, "diloco_outer_momentum": 0.0, "diloco_nesterov": False}
@@ -59,9 +60,12 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=BATCH)
 
 
-def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = None, save: bool = False, **strategy):
+def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = None, save: bool = False,
+         telemetry: bool = False, **strategy):  # fmt: skip
     record = Record()
     callbacks: list[pl.Callback] = [record]
+    if telemetry:  # logs at steps 2, 4, ...: the last record covers the whole run (every run has an even length)
+        callbacks.append(Telemetry(log_every_n_steps=2, print_summary=False))
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1))
     strategy_obj = MeshStrategy(**strategy)
@@ -71,6 +75,8 @@ def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = No
     trainer.fit(Net(optimizer), _loader(), ckpt_path=ckpt)
     diloco = strategy_obj.diloco
     out = {"params": record.params, "describe": "\n".join(strategy_obj.describe().lines())}
+    if telemetry:
+        out["telemetry"] = callbacks[-1].history
     if diloco is not None:
         out |= {"bytes_last": diloco.bytes_last_sync, "bytes_total": diloco.bytes_total, "numel": _local_numel(diloco)}
         out["fragments"] = diloco.fragments
@@ -87,12 +93,12 @@ def _two_ranks(root: str) -> dict[str, Any]:
     streaming = {**diloco, "diloco_every": 4, "diloco_fragments": 2}
     resumable = {**streaming, "diloco_delay": 1, "diloco_alpha": 0.25, "diloco_compression": "int8"}
     out = {
-        "hsdp": _fit(folder / "hsdp", 2, **replicas),
-        "exact": _fit(folder / "exact", 2, **diloco, **EXACT),
-        "h3": _fit(folder / "h3", 3, **diloco, diloco_every=3),
+        "hsdp": _fit(folder / "hsdp", 2, telemetry=True, **replicas),
+        "exact": _fit(folder / "exact", 2, telemetry=True, **diloco, **EXACT),
+        "h3": _fit(folder / "h3", 3, telemetry=True, **diloco, diloco_every=3),
         "streaming": _fit(folder / "streaming", 4, **streaming),
         "delayed": _fit(folder / "delayed", 4, **streaming, diloco_delay=1),
-        "int8": _fit(folder / "int8", 2, **diloco, diloco_every=2, diloco_compression="int8"),
+        "int8": _fit(folder / "int8", 2, telemetry=True, **diloco, diloco_every=2, diloco_compression="int8"),
         "whole": _fit(folder / "whole", 3, "adamw", **resumable),
     }
     # epoch 1 ends at step 2: fragment 1 started there and is due at step 3 (in flight at the save)
@@ -176,3 +182,23 @@ def test_h1_equals_hsdp_on_four_ranks(tmp_path: Path) -> None:
     ranks = launch(_four_ranks, 4, str(tmp_path))
     for rank in ranks:
         _assert_close(rank["exact"], rank["hsdp"])
+
+
+def test_telemetry_measures_the_outer_exchange_apart(two_ranks: list[dict[str, Any]]) -> None:
+    """Bytes per outer step as issued = the analytic payload (fp32: 4 B per local element; int8: 1 B + a 4 B scale per
+    256, every replica's gathered); per step they fall by H; the time in outer steps is a fraction of the run's."""
+    for rank in two_ranks:
+        numel = rank["h3"]["numel"]
+        runs = {name: rank[name]["telemetry"][-1] for name in ("exact", "h3", "int8", "hsdp")}
+        exact, h3, int8 = runs["exact"], runs["h3"], runs["int8"]
+        assert exact["diloco/outer_steps"] == 4 and h3["diloco/outer_steps"] == 2 and int8["diloco/outer_steps"] == 2
+        assert exact["diloco/bytes_per_outer_step"] == h3["diloco/bytes_per_outer_step"] == 4 * numel
+        assert int8["diloco/bytes_per_outer_step"] == 2 * payload_bytes(numel, "int8") == 2 * rank["int8"]["bytes_last"]
+        assert exact["diloco/bytes_per_step"] == 4 * numel and h3["diloco/bytes_per_step"] == 4 * numel / 3
+        assert int8["diloco/bus_bytes_per_step"] == payload_bytes(numel, "int8") / 2  # (n-1)/n of 2 payloads / H
+        # the exchange is on its own axis; the window of steps 5-6 holds the second outer step of H=3
+        assert h3["comm/dp_replicate/bytes"] == 4 * numel / 2 and h3["comm/dp_replicate/calls"] == 1 / 2
+        assert exact["comm/dp/bytes"] == h3["comm/dp/bytes"] == runs["hsdp"]["comm/dp/bytes"] - 4 * numel
+        assert "comm/dp_replicate/bytes" not in runs["hsdp"] and not any(k.startswith("diloco/") for k in runs["hsdp"])
+        for run in (exact, h3, int8):
+            assert 0 < run["diloco/outer_fraction"] < 1 and run["diloco/outer_ms"] > 0

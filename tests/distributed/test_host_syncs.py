@@ -3,9 +3,10 @@
 On a GPU every read of a device value (``item``, ``bool``, ``float``, ``tolist``, ...) or blocking host-side
 collective (``barrier``, the ``*_object`` ones) makes the host wait for the device. The app's whole step (Lightning's
 loop, ``GPTModule``, the strategy, the non-finite guard and every default callback: loss history, preemption,
-heartbeat, telemetry) is counted on 2 ranks for DDP, FSDP2, TP and PP, against a plain torch loop that trains the
-same GPT under the same layout (forward, backward, clip by the global norm, fused AdamW, LR schedule). Counted per
-optimizer step, over steps whose window holds no logging step (``trainer.log_every_n_steps=4``).
+heartbeat, telemetry) is counted on 2 ranks for DDP, FSDP2, TP, PP and DiLoCo (between its outer steps), against a
+plain torch loop that trains the same GPT under the same layout (forward, backward, clip by the global norm, fused
+AdamW, LR schedule). Counted per optimizer step, over steps whose window holds no logging step
+(``trainer.log_every_n_steps=4``).
 
 One read is allowed by name: the preemption flag agreed by a non-blocking all-reduce started a step earlier
 (``callbacks/preemption.py``: on CUDA it is a read of pinned host memory behind an event, not of device memory).
@@ -41,6 +42,9 @@ LAYOUTS = {
     "fsdp2": ["parallelism=fsdp"],
     "tp2": ["parallelism=tp"],
     "pp2": ["parallelism=pp"],
+    # DiLoCo's outer step after step 5 (not a quiet step: on CUDA it reads the averaged pseudo-gradient back into the
+    # host backup, inherently); steps 6 and 7 check that nothing of it (its timing events) is read later
+    "diloco": ["parallelism=diloco", "parallelism.diloco.every=5"],
 }
 SETTINGS = [
     "logger=none",
@@ -148,6 +152,8 @@ def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif layout == "diloco":
+        pass  # between outer steps every replica trains alone
     elif layout == "tp2":
         mesh = init_device_mesh("cpu", (world,))
         parallelize_module(model, mesh, gpt_tensor_parallel_plan(""))
