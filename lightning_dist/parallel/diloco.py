@@ -12,16 +12,9 @@ steps ``f * H // F + k * H``), so the exchange is spread out; with ``delay`` = t
 at its sync step and applied tau inner steps later (overlapping them), merged with the local parameters trained
 meanwhile as ``(1 - alpha) x outer result + alpha x local``. F=1, tau=0, alpha=0 is plain DiLoCo, the same code path.
 
-Compression of the pseudo-gradient (what each rank puts on the wire, counted in :attr:`DiLoCo.bytes_last_sync`):
-
-- ``fp32``: one all-reduce (sum, then / n) of the fp32 pseudo-gradients: 4 bytes per element.
-- ``bf16``: each rank's pseudo-gradient cast to bf16 and all-gathered (2 bytes per element sent); the mean is taken
-  in fp32 after the cast back, in rank order, so every replica gets the same bits and nothing overflows or loses
-  precision in a bf16 sum. Error of the mean: ``|err| <= 2**-8 x mean_r |x_r|`` per element (bf16 keeps 8
-  significant bits, rounding to nearest).
-- ``int8``: per block of :data:`INT8_BLOCK` elements, ``scale = absmax / 127`` and ``q = round(x / scale)``; the int8
-  values and the fp32 scales travel in one all-gather (1 byte per element + 4 bytes per block) and are dequantized and
-  averaged in fp32 (no int8 sum that could overflow). Error of the mean: ``|err| <= max_r scale_r / 2`` per element.
+The pseudo-gradient travels as ``compression`` says (fp32 all-reduce; bf16 / int8 as an all-to-all reduce-scatter and
+an all-gather of compressed chunks: :mod:`lightning_dist.parallel.compression`, with the error bounds); the bytes of
+each exchange, in the telemetry's sizes, are :attr:`DiLoCo.bytes_last_sync`.
 
 This module knows no Lightning: :class:`~lightning_dist.strategies.mesh.MeshStrategy` calls
 :meth:`DiLoCo.after_inner_step` after each applied inner optimizer step and saves :meth:`DiLoCo.state_dict` per rank.
@@ -29,7 +22,6 @@ This module knows no Lightning: :class:`~lightning_dist.strategies.mesh.MeshStra
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -39,54 +31,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dist.parallel.compression import (  # noqa: F401  (re-exported: the exchange's public helpers)
+    INT8_BLOCK,
+    Mean,
+    compress,
+    decompress,
+    dequantize_int8,
+    exchange_sizes,
+    payload_bytes,
+    quantize_int8,
+    start_mean,
+)
 from lightning_dist.parallel.options import COMPRESSIONS, ParallelOptions
-
-#: Elements per int8 quantization block (one fp32 scale each).
-INT8_BLOCK = 256
-
-
-# --------------------------------------------------------------------------------------------------- compression
-def payload_bytes(numel: int, compression: str) -> int:
-    """Bytes one rank sends for a pseudo-gradient of ``numel`` elements under ``compression``."""
-    if compression == "fp32":
-        return 4 * numel
-    if compression == "bf16":
-        return 2 * numel
-    return numel + 4 * math.ceil(numel / INT8_BLOCK)
-
-
-def compress(delta: Tensor, compression: str) -> Tensor:
-    """The 1-D payload for the fp32 pseudo-gradient ``delta`` (fp32: itself; bf16: cast; int8: values + scales)."""
-    if compression == "fp32":
-        return delta
-    if compression == "bf16":
-        return delta.to(torch.bfloat16)
-    return quantize_int8(delta)
-
-
-def decompress(payload: Tensor, numel: int, compression: str) -> Tensor:
-    """The fp32 values of one rank's ``payload`` (the inverse of :func:`compress`, up to its rounding)."""
-    if compression == "int8":
-        return dequantize_int8(payload, numel)
-    return payload.float()
-
-
-def quantize_int8(x: Tensor, block: int = INT8_BLOCK) -> Tensor:
-    """Per-block absmax int8: ``numel`` int8 values, then one fp32 scale per block as 4 int8 bytes each."""
-    flat = x.detach().float().reshape(-1)
-    numel = flat.numel()
-    blocks = math.ceil(numel / block)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block - numel)).view(blocks, block)
-    scale = padded.abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale gives q = 0
-    q = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
-    return torch.cat([q, scale.contiguous().view(torch.int8)])
-
-
-def dequantize_int8(payload: Tensor, numel: int, block: int = INT8_BLOCK) -> Tensor:
-    """fp32 values of a :func:`quantize_int8` payload of ``numel`` elements."""
-    q, scale = payload[:numel].float(), payload[numel:].clone().view(torch.float32)  # clone: 4-byte aligned
-    return q * scale.repeat_interleave(block)[:numel]
 
 
 # ----------------------------------------------------------------------------------------------------- fragments
@@ -157,10 +113,7 @@ class _Exchange:
     """One fragment's pseudo-gradient exchange, in flight until ``due`` (an inner step)."""
 
     due: int
-    gathered: Tensor  # fp32: the sum (in place); bf16 / int8: every rank's payload, in rank order
-    numel: int
-    work: Any = None  # the collective's handle; None once waited for
-    average: Tensor | None = None  # the decompressed mean (restored from a checkpoint, or once waited for)
+    mean: Mean  # the pseudo-gradients' mean in flight (or restored from a checkpoint, already finished)
 
 
 class DiLoCo:
@@ -271,37 +224,14 @@ class DiLoCo:
                 (self.backup[name].to(device, non_blocking=True) - local.float()).reshape(-1)
                 for name, local in zip(names, locals_)
             ])  # fmt: skip
-        numel = delta.numel()
-        payload = compress(delta, self.compression)
-        self.bytes_last_sync = payload.numel() * payload.element_size()
+        sizes = exchange_sizes(delta.numel(), self.compression, self.num_replicas)
+        self.bytes_last_sync = sum(size for _, size in sizes) if self.group is not None else 0
         self.bytes_total += self.bytes_last_sync
-        if self.group is None:
-            gathered, work = payload, None
-        elif self.compression == "fp32":
-            gathered, work = payload, dist.all_reduce(payload, group=self.group, async_op=True)
-        else:
-            gathered = payload.new_empty(self.num_replicas * payload.numel())
-            work = dist.all_gather_into_tensor(gathered, payload, group=self.group, async_op=True)
-        self._in_flight[f] = _Exchange(due=self.step + self.delay, gathered=gathered, numel=numel, work=work)
-
-    def _average(self, exchange: _Exchange) -> Tensor:
-        if exchange.average is None:
-            if exchange.work is not None:
-                exchange.work.wait()
-                exchange.work = None
-            if self.compression == "fp32":
-                exchange.average = exchange.gathered / self.num_replicas
-            else:
-                rows = exchange.gathered.view(self.num_replicas, -1)
-                total = decompress(rows[0], exchange.numel, self.compression)
-                for row in rows[1:]:  # rank order, in fp32: the same bits on every replica
-                    total = total + decompress(row, exchange.numel, self.compression)
-                exchange.average = total / self.num_replicas
-            exchange.gathered = exchange.average  # the payload buffers are no longer needed
-        return exchange.average
+        mean = start_mean(delta, self.group, self.compression)
+        self._in_flight[f] = _Exchange(due=self.step + self.delay, mean=mean)
 
     def _apply(self, f: int) -> None:
-        average = self._average(self._in_flight.pop(f)).to("cpu")
+        average = self._in_flight.pop(f).mean.result().to("cpu")
         names = self.fragments[f]
         start = 0
         for name in names:
@@ -321,7 +251,7 @@ class DiLoCo:
     def finish_in_flight(self) -> None:
         """Wait for every exchange in flight (its result is kept and applied at its due step, not earlier)."""
         for exchange in self._in_flight.values():
-            self._average(exchange)
+            exchange.mean.result()
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -335,7 +265,7 @@ class DiLoCo:
             "backup": {name: t.clone() for name, t in self.backup.items()},
             "outer": self.outer.state_dict(),
             "replica": {name: _local(p).detach().to("cpu", copy=True) for name, p in self._params.items()},
-            "in_flight": {f: {"due": e.due, "average": self._average(e).cpu()} for f, e in self._in_flight.items()},
+            "in_flight": {f: {"due": e.due, "average": e.mean.result().cpu()} for f, e in self._in_flight.items()},
             "bytes_last_sync": self.bytes_last_sync,
             "bytes_total": self.bytes_total,
         }
@@ -362,12 +292,12 @@ class DiLoCo:
             for name, tensor in state["replica"].items():
                 _local(self._params[name]).copy_(tensor)
         self.outer.load_state_dict(state["outer"])
-        self._in_flight = {
-            int(f): _Exchange(
-                due=int(e["due"]), gathered=e["average"], numel=e["average"].numel(), average=e["average"]
-            )
+        self._in_flight = {  # each finished before the save: its mean restored as the result
+            int(f): _Exchange(int(e["due"]), Mean(e["average"].numel(), self.compression, None, e["average"]))
             for f, e in state["in_flight"].items()
         }
+        for exchange in self._in_flight.values():
+            exchange.mean.value = exchange.mean.buffer
 
     def reset(self) -> None:
         """Start a fresh cycle from the current parameters (after loading weights without DiLoCo state)."""

@@ -39,7 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.diloco import build_fragments, payload_bytes
+from lightning_dist.parallel.compression import exchange_sizes
+from lightning_dist.parallel.diloco import build_fragments
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import DP, REPORTED_AXIS
 from lightning_dist.plan.layout import Layout, stage_blocks
@@ -299,14 +300,15 @@ def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
         return []
     opts, n, compression = lay.options, lay.dp_replicate, lay.options.diloco_compression
     out = []
-    for numel in fragment_elements(cfg, lay, stage):
-        payload = payload_bytes(numel, compression)
-        if compression == "fp32":  # summed in place
-            out.append(Collective("dp_replicate", "all_reduce", payload, 1, "DiLoCo pseudo-gradient (fp32)"))
-        else:  # every replica's payload gathered, averaged in fp32 (parallel/diloco.py: no low-precision sum)
-            what = f"DiLoCo pseudo-gradient ({compression}, all-gathered)"
-            out.append(Collective("dp_replicate", "all_gather", n * payload, 1, what))
-    assert len(out) == opts.diloco_fragments
+    for numel in fragment_elements(cfg, lay, stage):  # as parallel/compression.py sends it
+        for op, size in exchange_sizes(numel, compression, n):
+            what = {
+                "all_reduce": "all-reduced",
+                "all_to_all": "chunks reduce-scattered",
+                "all_gather": "means gathered",
+            }
+            out.append(Collective("dp_replicate", op, size, 1, f"DiLoCo pseudo-gradient ({compression}, {what[op]})"))
+    assert len(out) == opts.diloco_fragments * (1 if compression == "fp32" else 2)
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.diloco import payload_bytes
+from lightning_dist.parallel.compression import payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import AXES
 from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
@@ -61,7 +61,8 @@ ASSUMPTIONS = [
     f"memory bandwidth: {MEMORY_BOUND_SHARE:.1%} of the compute time at {REFERENCE_MEMORY_TBPS} TB/s is memory-bound "
     "and scales with hardware.memory_tbps (torchtitan's eager vs compiled 8B steps)",
     "DiLoCo: no replica traffic in inner steps; every H steps each fragment's pseudo-gradient crosses dp_replicate "
-    "(fp32 all-reduce; bf16 / int8 all-gather of every replica's payload), shown per step as the cycle's bytes / H; "
+    "(fp32 all-reduce; bf16 / int8 an all-to-all of compressed chunks, then an all-gather of the chunk means: "
+    "2 (n-1)/n payloads per rank), shown per step as the cycle's bytes / H; "
     f"exposed unless delayed (tau > 0: hidden under tau inner steps), plus host work at {HOST_GBPS:g} GB/s "
     f"({HOST_BYTES_PER_ELEMENT} bytes per element: backup copies and the CPU's outer SGD)",
 ]
@@ -204,8 +205,12 @@ def _outer_sync(cfg: GPTConfig, lay: Layout, hw: HardwareConfig, comm: dict[str,
     """
     opts = lay.options
     every, link = opts.diloco_every, _axis_link(hw, lay, "dp_replicate")
-    wire = [c.bytes * BUS_FACTORS[c.op](lay.dp_replicate) / link / 1e9 for c in outer_collectives(cfg, lay)]
-    exposed = sum(max(0.0, t - opts.diloco_delay * inner_s) for t in wire)
+    outer = outer_collectives(cfg, lay)
+    wire = [c.bytes * BUS_FACTORS[c.op](lay.dp_replicate) / link / 1e9 for c in outer]
+    # The delay overlaps the exchange's first collective; a compressed one's all-gather of the chunk means runs when
+    # the result is applied (parallel/compression.py), exposed.
+    hidden = [0.0 if c.op == "all_gather" else opts.diloco_delay * inner_s for c in outer]
+    exposed = sum(max(0.0, t - h) for t, h in zip(wire, hidden))
     host = sum(fragment_elements(cfg, lay)) * HOST_BYTES_PER_ELEMENT / HOST_GBPS / 1e9
     axis = comm.setdefault("dp_replicate", {"bytes": 0, "calls": 0, "seconds": 0.0, "exposed_s": 0.0})
     axis["bytes"] += sum(c.bytes for c in outer_collectives(cfg, lay)) / every
@@ -218,12 +223,12 @@ def _outer_sync(cfg: GPTConfig, lay: Layout, hw: HardwareConfig, comm: dict[str,
 
 def _outer_sync_bytes(cfg: GPTConfig, lay: Layout) -> int:
     """Device bytes of the largest fragment's exchange (parallel/diloco.py): the fp32 pseudo-gradient and its fp32
-    average; compressed, also the payload, every replica's payload gathered, and two fp32 rows while summing."""
+    average; compressed, also the padded copy, the payloads sent, received and gathered, and the decompressed rows."""
     numel = max(fragment_elements(cfg, lay))
     compression = lay.options.diloco_compression
     if compression == "fp32":
         return 8 * numel
-    return 16 * numel + (lay.dp_replicate + 1) * payload_bytes(numel, compression)
+    return 16 * numel + 3 * payload_bytes(numel, compression)
 
 
 def recompute_factor(cfg: GPTConfig, layout: Layout, seq_len: int) -> float:

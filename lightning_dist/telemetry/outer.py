@@ -1,11 +1,12 @@
 """DiLoCo's outer synchronization in the telemetry: ``diloco/`` metrics and the ``comm/dp_replicate/`` axis.
 
-Under ``sync=diloco`` the replicas exchange nothing in an inner step; every H steps (per fragment) one collective
-over the ``dp_replicate`` group carries the pseudo-gradient. The :class:`~lightning_dist.telemetry.comm.CommTracker`
-counts it as it is issued, reported under its own axis (:data:`~lightning_dist.telemetry.comm.OUTER_AXIS`) rather
-than ``dp`` (:meth:`~lightning_dist.telemetry.comm.CommTracker.apart`: what the outer work issues on the
-replica group), and :class:`OuterSyncMeter` times the whole outer work of a step (pseudo-gradient, host backup copies,
-the exchange, the outer SGD, the copy back) through :attr:`lightning_dist.parallel.diloco.DiLoCo.timer`:
+Under ``sync=diloco`` the replicas exchange nothing in an inner step; every H steps (per fragment) one exchange over
+the ``dp_replicate`` group carries the pseudo-gradient (an all-reduce; compressed, an all-to-all and an all-gather).
+The :class:`~lightning_dist.telemetry.comm.CommTracker` counts it as it is issued, reported under its own axis
+(:data:`~lightning_dist.telemetry.comm.OUTER_AXIS`) rather than ``dp``
+(:meth:`~lightning_dist.telemetry.comm.CommTracker.apart`: what the outer work issues on the replica group), and
+:class:`OuterSyncMeter` times the whole outer work of a step (pseudo-gradient, host backup copies, the exchange, the
+outer SGD, the copy back) through :attr:`lightning_dist.parallel.diloco.DiLoCo.timer`:
 
 - CPU: the host clock (the outer step is synchronous there).
 - CUDA: an event before and after, read at logging time only, so a step without an outer step does nothing more and
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightning_dist.parallel.compression import exchange_sizes
 from lightning_dist.telemetry.comm import BUS_FACTORS, OUTER_AXIS, CommTracker
 
 #: The keys :meth:`OuterSyncMeter.metrics` returns (all cumulative since the fit started; max over ranks).
@@ -46,6 +48,8 @@ class OuterSyncMeter:
         self.train_seconds = 0.0  #: training time of the logging windows so far
         self._pending: list[tuple[Any, Any]] = []
         self._group_size = diloco.num_replicas
+        # fp32: one all-reduce per exchange; compressed: an all-to-all and an all-gather (parallel/compression.py)
+        self._ops_per_exchange = len(exchange_sizes(1, diloco.compression, diloco.num_replicas))
         diloco.timer = self.time
 
     @classmethod
@@ -106,10 +110,11 @@ class OuterSyncMeter:
                 size += stats.bytes
                 bus += stats.bytes * BUS_FACTORS[op](self._group_size)
         steps = max(steps, 1)
-        outer_steps = calls or self.timed  # one replica: no collective, the outer SGD still runs
+        exchanges = calls / self._ops_per_exchange
+        outer_steps = exchanges or self.timed  # one replica: no collective, the outer SGD still runs
         return {
-            "diloco/outer_steps": calls,
-            "diloco/bytes_per_outer_step": size / calls if calls else 0.0,
+            "diloco/outer_steps": exchanges,
+            "diloco/bytes_per_outer_step": size / exchanges if exchanges else 0.0,
             "diloco/bytes_per_step": size / steps,
             "diloco/bus_bytes_per_step": bus / steps,
             "diloco/outer_ms": self.seconds / outer_steps * 1e3 if outer_steps else 0.0,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy
-from lightning_dist.parallel.diloco import payload_bytes
+from lightning_dist.parallel.compression import chunk_numel, exchange_sizes, payload_bytes
 from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import Telemetry
 
@@ -163,7 +163,8 @@ def test_int8_exchange_keeps_replicas_equal_and_counts_bytes(two_ranks: list[dic
     r0, r1 = (rank["int8"]["params"] for rank in two_ranks)
     assert [_same(a, b) for a, b in zip(r0, r1)] == [False, True, False, True]
     run = two_ranks[0]["int8"]
-    assert run["bytes_last"] == payload_bytes(run["numel"], "int8") == run["numel"] + 4  # 161 int8 + 1 fp32 scale
+    # 161 elements: 2 chunks of one 256-element block each, int8 + 1 fp32 scale: an all-to-all and an all-gather of 2
+    assert run["bytes_last"] == 2 * 2 * payload_bytes(chunk_numel(run["numel"], 2), "int8") == 2 * 2 * (256 + 4)
     assert run["bytes_total"] == 2 * run["bytes_last"]
 
 
@@ -185,17 +186,19 @@ def test_h1_equals_hsdp_on_four_ranks(tmp_path: Path) -> None:
 
 
 def test_telemetry_measures_the_outer_exchange_apart(two_ranks: list[dict[str, Any]]) -> None:
-    """Bytes per outer step as issued = the analytic payload (fp32: 4 B per local element; int8: 1 B + a 4 B scale per
-    256, every replica's gathered); per step they fall by H; the time in outer steps is a fraction of the run's."""
+    """Bytes per outer step as issued = the analytic sizes (fp32: 4 B per local element; int8: 1 B + a 4 B scale per
+    256, an all-to-all and an all-gather of a chunk per replica); per step they fall by H; the time in outer steps is a
+    fraction of the run's."""
     for rank in two_ranks:
         numel = rank["h3"]["numel"]
         runs = {name: rank[name]["telemetry"][-1] for name in ("exact", "h3", "int8", "hsdp")}
         exact, h3, int8 = runs["exact"], runs["h3"], runs["int8"]
         assert exact["diloco/outer_steps"] == 4 and h3["diloco/outer_steps"] == 2 and int8["diloco/outer_steps"] == 2
         assert exact["diloco/bytes_per_outer_step"] == h3["diloco/bytes_per_outer_step"] == 4 * numel
-        assert int8["diloco/bytes_per_outer_step"] == 2 * payload_bytes(numel, "int8") == 2 * rank["int8"]["bytes_last"]
+        int8_sizes = [size for _, size in exchange_sizes(numel, "int8", 2)]
+        assert int8["diloco/bytes_per_outer_step"] == sum(int8_sizes) == rank["int8"]["bytes_last"]
         assert exact["diloco/bytes_per_step"] == 4 * numel and h3["diloco/bytes_per_step"] == 4 * numel / 3
-        assert int8["diloco/bus_bytes_per_step"] == payload_bytes(numel, "int8") / 2  # (n-1)/n of 2 payloads / H
+        assert int8["diloco/bus_bytes_per_step"] == sum(int8_sizes) / 2 / 2  # (n-1)/n of each op's size, / H
         # the exchange is on its own axis; the window of steps 5-6 holds the second outer step of H=3
         assert h3["comm/dp_replicate/bytes"] == 4 * numel / 2 and h3["comm/dp_replicate/calls"] == 1 / 2
         assert exact["comm/dp/bytes"] == h3["comm/dp/bytes"] == runs["hsdp"]["comm/dp/bytes"] - 4 * numel

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dist.parallel.compression import chunk_numel, exchange_sizes, start_mean
 from lightning_dist.parallel.diloco import (
     INT8_BLOCK,
     DiLoCo,
@@ -77,8 +78,38 @@ def test_bytes_on_the_wire_are_counted_analytically(compression: str, per_elemen
     for _ in range(4):
         _sgd_step(model)
         diloco.after_inner_step()
-    assert diloco.bytes_last_sync == payload_bytes(1100, compression)
-    assert diloco.bytes_total == 2 * payload_bytes(1100, compression)  # outer steps at 2 and 4
+    assert diloco.bytes_last_sync == diloco.bytes_total == 0  # one replica: nothing crosses a link
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_a_compressed_exchange_sends_the_all_reduce_bytes_at_the_compressed_size(ranks: int) -> None:
+    """fp32: one all-reduce of 4 bytes per element. Compressed: an all-to-all and an all-gather of ``ranks`` chunk
+    payloads, i.e. 2 (n-1)/n payloads on the wire per rank (bus bytes), as a ring all-reduce: the wire bytes fall by
+    the compression ratio at any replica count (an all-gather of whole payloads would send n-1 of them)."""
+    numel = 1_000_000
+    assert exchange_sizes(numel, "fp32", ranks) == [("all_reduce", 4 * numel)]
+    fp32_wire = 2 * (ranks - 1) / ranks * 4 * numel
+    for compression, ratio in (("bf16", 2.0), ("int8", 4 / (1 + 4 / INT8_BLOCK))):
+        chunk = chunk_numel(numel, ranks)
+        assert chunk % INT8_BLOCK == 0 and 0 <= ranks * chunk - numel < ranks * INT8_BLOCK
+        sizes = exchange_sizes(numel, compression, ranks)
+        assert [op for op, _ in sizes] == ["all_to_all", "all_gather"]
+        assert all(size == ranks * payload_bytes(chunk, compression) for _, size in sizes)
+        wire = sum((ranks - 1) / ranks * size for _, size in sizes)  # both ops' bus factor is (n-1)/n
+        assert fp32_wire / wire == pytest.approx(ratio, rel=2e-3)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_a_compressed_mean_rounds_twice_within_its_bound(compression: str) -> None:
+    x = torch.randn(5000) * torch.logspace(-3, 1, 5000)
+    mean = start_mean(x, None, compression).result()
+    assert mean.shape == x.shape
+    if compression == "bf16":
+        assert torch.all((mean - x).abs() <= 2**-8 * 2 * x.abs() + 1e-12)
+    else:
+        scale = torch.nn.functional.pad(x, (0, 120)).abs().view(-1, INT8_BLOCK).amax(1) / 127  # per block
+        # scale / 2 for each rank's chunk, then scale / 2 again for the chunk mean (one rank: the same block)
+        assert torch.all((mean - x).abs() <= scale.repeat_interleave(INT8_BLOCK)[:5000] * 1.01)
 
 
 def test_fragments_are_contiguous_balanced_and_follow_blocks() -> None:

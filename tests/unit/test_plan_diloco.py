@@ -3,14 +3,13 @@ link speed where DiLoCo overtakes synchronous training."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import pytest
 from helpers import compose_config
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
-from lightning_dist.parallel.diloco import INT8_BLOCK
+from lightning_dist.parallel.compression import INT8_BLOCK, chunk_numel
 from lightning_dist.plan.collectives import fragment_elements, outer_collectives, per_axis, step_collectives
 from lightning_dist.plan.cost import estimate, stage_params
 from lightning_dist.plan.cost_curve import cost_curve, gpu_counts
@@ -36,16 +35,18 @@ def test_diloco_moves_the_sync_bytes_once_per_h_steps_compressed_as_sent() -> No
         fp32 = estimate(LLAMA3_8B, _diloco(diloco_every=h), HW, SEQ, BATCH)
         assert fp32.comm["dp_replicate"]["bytes"] == every_step / h  # the same elements, once per H steps
         assert fp32.comm["dp_shard"]["bytes"] == sync.comm["dp_shard"]["bytes"]  # the inner step is unchanged
-    # bf16 / int8 travel as an all-gather of every replica's payload (telemetry size: 4 payloads)
+    # bf16 / int8 travel as an all-to-all of chunk payloads then an all-gather of the chunk means (4 replicas: each
+    # op's telemetry size is 4 chunk payloads, a chunk a quarter of the shard rounded up to whole int8 blocks)
+    chunk = chunk_numel(shard, 4)
     bf16 = estimate(LLAMA3_8B, _diloco(diloco_every=10, diloco_compression="bf16"), HW, SEQ, BATCH)
-    assert bf16.comm["dp_replicate"]["bytes"] == 4 * 2 * shard / 10
+    assert bf16.comm["dp_replicate"]["bytes"] == 2 * 4 * 2 * chunk / 10
     int8 = estimate(LLAMA3_8B, _diloco(diloco_every=10, diloco_compression="int8"), HW, SEQ, BATCH)
-    assert int8.comm["dp_replicate"]["bytes"] == 4 * (shard + 4 * math.ceil(shard / INT8_BLOCK)) / 10
-    # on the wire (nccl-tests bus bytes) per rank: fp32 2(n-1)/n x 4N, an all-gather (n-1)/n x n x payload
+    assert int8.comm["dp_replicate"]["bytes"] == 2 * 4 * (chunk + 4 * chunk // INT8_BLOCK) / 10
+    # on the wire (nccl-tests bus bytes) per rank: fp32 2(n-1)/n x 4N; compressed 2 (n-1)/n x the payload: the wire
+    # time falls by the compression ratio (the padding to whole blocks aside)
     fp32 = estimate(LLAMA3_8B, _diloco(diloco_every=10), HW, SEQ, BATCH).comm["dp_replicate"]["seconds"]
-    # 4 replicas: a bf16 all-gather puts as many bytes on the wire as the fp32 all-reduce, int8 half
-    assert bf16.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx(3 * 2 / (1.5 * 4))
-    assert int8.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx(3 * (1 + 4 / INT8_BLOCK) / (1.5 * 4), rel=1e-6)
+    assert bf16.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx(1 / 2, rel=1e-6)
+    assert int8.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx((1 + 4 / INT8_BLOCK) / 4, rel=1e-6)
 
 
 def test_inner_steps_send_nothing_over_the_replicas() -> None:
