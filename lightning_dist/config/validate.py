@@ -24,7 +24,7 @@ from hydra.utils import get_class
 from lightning_dist.config import environment
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
-from lightning_dist.config.shapes import num_blocks, vocab_and_length
+from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
 from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
 from lightning_dist.config.trainer_args import adopt_lightning_names, check_trainer
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
@@ -233,15 +233,21 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
     seq_len = getattr(cfg.data, "seq_len", None)
     if seq_len is not None:
         dims.check_seq_len(seq_len)
-    if not gpt:
+    if isinstance(cfg.model, HFModelConfig):
+        # deferred: next to HFCausalLM's context-parallel spec (test_layering: DEFERRED)
+        from lightning_dist.models.hf_context import check_context_parallel as check_hf_context_parallel
+
+        check_hf_context_parallel(hf_config(cfg.model), dims.cp)
+    elif not gpt:
         raise ValueError(
             f"parallelism.cp={dims.cp} with model={_model_name(cfg)}: context parallelism supports the built-in GPT "
-            "(arch=llama) for now; set parallelism.cp=1."
+            "(arch=llama) and model=hf Llama / Qwen2 / Mistral; set parallelism.cp=1."
         )
-    # deferred: next to the GPT's context-parallel spec (test_layering: DEFERRED)
-    from lightning_dist.models.gpt_parallel import check_context_parallel
+    else:
+        # deferred: next to the GPT's context-parallel spec (test_layering: DEFERRED)
+        from lightning_dist.models.gpt_parallel import check_context_parallel
 
-    check_context_parallel(cfg.model, dims.cp)
+        check_context_parallel(cfg.model, dims.cp)
     if getattr(cfg.data, "format", "text") in ("instruction", "chat"):
         raise ValueError(
             f"parallelism.cp={dims.cp} with data.format={cfg.data.format}: a masked loss is normalized by the whole "

@@ -10,6 +10,8 @@ models laid out as ``model.embed_tokens / model.layers / model.norm / model.rota
 - pipeline parallelism through a stage forward that runs whatever part of the model a stage holds (embedding, its
   decoder layers with the rotary tables / positions and causal mask rebuilt locally, final norm, head), under the
   model's own parameter names; a tied embedding and head on different stages train as one weight;
+- context parallelism (Llama, Qwen2, Mistral without sliding window) through transformers' attention-function hook
+  and the model's ``position_ids`` (see ``hf_context.py``);
 - meta-device construction from a config (``reset_parameters``: each rank initializes only what it holds, with the
   one-process values, see ``hf_init.py``), and the run's optimizer config (AdamW, warmup + cosine).
 
@@ -28,11 +30,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_dist import _compat
+from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
+from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 #: transformers' tensor-parallel style names -> torch styles (outputs as plain tensors, full where HF gathers).
@@ -271,8 +275,10 @@ class HFCausalLM(pl.LightningModule):
         init_causal_lm(self.model, self.init_seed, random=self.random_init)
 
     def compute_loss(self, batch: Any) -> Tensor:
+        """The loss of one batch. No KV cache: a recomputed layer (activation checkpointing) would append to it."""
         inputs, targets, *loss_kwargs = split_causal_batch(batch)
-        return causal_lm_loss(self.model(input_ids=inputs).logits, targets, **(loss_kwargs[0] if loss_kwargs else {}))
+        logits = self.model(input_ids=inputs, use_cache=False).logits
+        return causal_lm_loss(logits, targets, **(loss_kwargs[0] if loss_kwargs else {}))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
@@ -304,6 +310,14 @@ class HFCausalLM(pl.LightningModule):
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
         """The model's shipped plan (logits gathered whole: HF's own ``colwise_gather_output`` head)."""
         return hf_tensor_parallel_plan(self.model, prefix="model.")
+
+    def context_parallel_spec(self) -> ContextParallelSpec:
+        """The attention modules (routed through transformers' attention hook) and the model taking ``position_ids``."""
+        return hf_context_parallel_spec("model.")
+
+    def check_context_parallel(self, cp: int) -> None:
+        """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``)."""
+        check_context_parallel(self.hf_model_config, cp)
 
     def pipeline_spec(self) -> PipelineSpec:
         """Decoder layers as blocks; embeddings first; final norm and head last; the stage forward above."""

@@ -1,8 +1,9 @@
 """Context parallelism: each sequence split over the ``cp`` ranks, attention computed across them.
 
 No Lightning, no model code. A model takes part through a :class:`ContextParallelSpec` (which of its modules hold
-an attention function, which of its buffers are per-position tables); :func:`apply_context_parallel` replaces those
-functions and re-indexes those tables, and the strategy splits each batch with :func:`shard_batch`.
+an attention function, which of its buffers are per-position tables, or which module takes ``position_ids``);
+:func:`apply_context_parallel` replaces those functions and re-indexes those tables (or passes this rank's global
+positions), and the strategy splits each batch with :func:`shard_batch`.
 
 Load balancing (head-tail): the sequence is cut into ``2 x cp`` equal chunks and cp rank ``r`` holds chunks ``r`` and
 ``2cp - 1 - r``, so under a causal mask every rank attends over the same number of (query, key) pairs.
@@ -38,19 +39,27 @@ class ContextParallelSpec:
     Attributes:
         attention: ``fnmatch`` patterns of the modules whose attribute ``attention_attr`` is the attention function
             ``fn(q, k, v) -> out`` with ``q`` (B, H, T, D), ``k`` / ``v`` (B, K, T, D) (K dividing H: grouped-query
-            attention), causal over T; the context-parallel attention replaces it.
+            attention), causal over T; the context-parallel attention (which also takes ``scale=``, default
+            ``D ** -0.5``) replaces it.
         attention_attr: Name of that attribute.
         positions: The module whose ``forward`` takes the (sharded) batch's inputs first, shape (B, T_local, ...),
             and whose buffers ``position_tables`` have one row per position (e.g. RoPE tables sliced ``[:T]``).
             Around each of its forwards the tables are replaced by the rows of this rank's global positions, so local
             index ``i`` gets the position ``p(i)`` it has in the whole sequence. ``None``: no per-position tables.
         position_tables: Buffer names of ``positions`` (e.g. ``("rope_cos", "rope_sin")``).
+        position_ids: The module whose ``forward`` takes a ``position_ids=`` keyword (a HuggingFace model): a call
+            that passes none gets this rank's global positions (1, T_local), T_local being dim 1 of its first
+            argument (or keyword) of two or more dims. ``None``: no such module.
+        prepare: Called with the module before its attention functions are replaced (e.g. to route a HuggingFace
+            model's attention through the attribute ``attention_attr``); ``None``: nothing to prepare.
     """
 
     attention: tuple[str, ...]
     attention_attr: str = "attention_fn"
     positions: str | None = None
     position_tables: tuple[str, ...] = ()
+    position_ids: str | None = None
+    prepare: Callable[[nn.Module], None] | None = None
 
 
 # ------------------------------------------------------------------------------------------- the sequence split
@@ -141,9 +150,14 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------- attention
-# torch 2.13's names; older releases have only the ones they deprecate (same arguments).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# torch 2.13's names; older releases have only the ones they deprecate (same arguments). Looked up at each call, not
+# bound once: the telemetry's CommTracker counts cp traffic by replacing torch.distributed's functions while installed.
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class _AllGather(torch.autograd.Function):
@@ -181,8 +195,9 @@ class AllGatherAttention:
         self.rank = dist.get_rank(group)
         self._order_cache: Tensor | None = None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``q`` (B, H, T_local, D), ``k`` / ``v`` (B, K, T_local, D) of this rank's tokens -> (B, H, T_local, D)."""
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """``q`` (B, H, T_local, D), ``k`` / ``v`` (B, K, T_local, D) of this rank's tokens -> (B, H, T_local, D);
+        ``scale`` multiplies the scores (``None``: ``D ** -0.5``)."""
         cp, local_len = self.cp, q.shape[2]
         chunk = local_len // 2
         # One collective for keys and values; gathered before the grouped-query repeat (K heads, not H, travel).
@@ -199,7 +214,9 @@ class AllGatherAttention:
             end = start + chunk  # keys after the chunk's last query are masked for all of it: not computed
             query = q[:, :, index * chunk : (index + 1) * chunk]  # (B, H, c, D)
             mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(diagonal=start)  # key <= query
-            outs.append(F.scaled_dot_product_attention(query, keys[:, :, :end], values[:, :, :end], attn_mask=mask))
+            outs.append(
+                F.scaled_dot_product_attention(query, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=scale)
+            )
         return torch.cat(outs, dim=2)  # (B, H, T_local, D)
 
     def _order(self, seq_len: int, device: torch.device) -> Tensor:
@@ -210,8 +227,8 @@ class AllGatherAttention:
         return self._order_cache
 
 
-#: Attention implementations by name: ``fn(cp_group) -> attention function``.
-ATTENTION: dict[str, Callable[[dist.ProcessGroup], Callable[[Tensor, Tensor, Tensor], Tensor]]] = {
+#: Attention implementations by name: ``fn(cp_group) -> attention function`` (``(q, k, v, scale=None) -> out``).
+ATTENTION: dict[str, Callable[[dist.ProcessGroup], Callable[..., Tensor]]] = {
     AllGatherAttention.name: AllGatherAttention,
 }
 
@@ -238,6 +255,8 @@ def apply_context_parallel(
     if attention not in ATTENTION:
         raise ValueError(f"cp attention={attention!r} is unknown; use one of {sorted(ATTENTION)}.")
     fn = ATTENTION[attention](group)
+    if spec.prepare is not None:
+        spec.prepare(module)
     patched = 0
     for name, child in module.named_modules():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.attention):
@@ -255,6 +274,8 @@ def apply_context_parallel(
         )
     if spec.positions is not None and spec.position_tables:
         _GlobalPositions(group, spec.position_tables).attach(module.get_submodule(spec.positions))
+    if spec.position_ids is not None:
+        _GlobalPositionIds(group).attach(module.get_submodule(spec.position_ids))
     size = dist.get_world_size(group)
     return f"context parallel cp={size}: head-tail sequence split; {patched} attention modules: {fn.description}"
 
@@ -287,3 +308,29 @@ class _GlobalPositions:
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         for name, table in zip(self.tables, self._saved.pop()):
             setattr(module, name, table)
+
+
+class _GlobalPositionIds:
+    """A forward pre-hook that passes ``position_ids=`` this rank's global positions (1, T_local) to a call that
+    passes none (a HuggingFace model would use ``arange(T_local)``)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._before, with_kwargs=True)
+
+    def _before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if kwargs.get("position_ids") is not None:
+            return None  # the caller's (e.g. a batch's own, split with the sequence)
+        local_len = sequence_length((args, kwargs))
+        if local_len is None:
+            raise ValueError(
+                f"{type(module).__name__} was called with no (B, T) tensor, so cp={self.cp} cannot give it positions; "
+                "pass its inputs (input_ids or inputs_embeds) or position_ids."
+            )
+        device = next((t.device for t in _tensors((args, kwargs))), None)
+        positions = head_tail_positions(local_len * self.cp, self.cp, self.rank, device)
+        return args, {**kwargs, "position_ids": positions.unsqueeze(0)}

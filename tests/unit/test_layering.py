@@ -47,6 +47,7 @@ DEFERRED: dict[str, tuple[str, ...]] = {
         "lightning_dist.config.resume",  # a checkpoint or weights to start from
         "lightning_dist.data.datamodule",  # data=text / tokens / hf: their files are read before launch
         "lightning_dist.models.gpt_parallel",  # tp > 1
+        "lightning_dist.models.hf_context",  # model=hf with cp > 1
     ),
     "lightning_dist.parallel_dims": ("torch.distributed.device_mesh",),  # a rank builds the mesh
     "lightning_dist.run.cluster": ("lightning.pytorch", "lightning.pytorch.plugins.environments"),  # in a rank

@@ -1,0 +1,121 @@
+"""How a HuggingFace Llama-family causal LM takes part in context parallelism, through transformers' attention hook.
+
+transformers calls the attention function registered under ``config._attn_implementation`` with ``q`` / ``k`` / ``v``
+already RoPE-rotated, (B, H, T, D). Before the strategy applies context parallelism (``parallel/context.py``), the
+spec's ``prepare`` registers :func:`cp_attention_forward` as :data:`CP_ATTENTION`, switches this model instance to it
+(``set_attn_implementation``) and gives every ``self_attn`` the attribute :data:`ATTRIBUTE`, which the strategy then
+fills with its cp attention (all-gather of K/V, causal by global position). The spec also names the model whose
+``forward`` takes ``position_ids``: the strategy passes this rank's global positions, so the rotary embedding
+rotates each token by its place in the whole sequence (HF would use ``arange(T_local)``). transformers builds no mask
+for an attention function it has no mask builder for, so HF's local causal mask never reaches it.
+
+No modeling code is copied, no distributed code here. Needs the optional extra ``lightning-dist[hf]``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_dist.parallel.context import ContextParallelSpec
+
+#: The name :func:`cp_attention_forward` is registered under in transformers' ``AttentionInterface``.
+CP_ATTENTION = "lightning_dist_cp"
+#: The attribute of each attention module that holds the strategy's cp attention ``(q, k, v, scale=) -> out``.
+ATTRIBUTE = "context_parallel_attention"
+#: Model types whose attention goes through ``AttentionInterface`` with rotary positions and no learned positions.
+FAMILIES = ("llama", "mistral", "qwen2")
+#: The attention modules, relative to the transformers causal LM.
+_ATTENTION_MODULES = "model.layers.*.self_attn"
+
+
+def check_context_parallel(config: Any, cp: int) -> None:
+    """Raise a one-line ``ValueError`` when ``cp`` cannot split the sequences of the model of this transformers
+    ``config``."""
+    if cp == 1:
+        return
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"cp={cp} with a HuggingFace {model_type!r} model: context parallelism supports the rotary-position "
+            f"families {', '.join(FAMILIES)} (not learned position embeddings); set cp=1."
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None:
+        raise ValueError(
+            f"cp={cp} with sliding_window={window}: the cp attention is full causal attention; set the model "
+            "config's sliding_window=None, or cp=1."
+        )
+    dropout = getattr(config, "attention_dropout", 0.0)
+    if dropout:
+        raise ValueError(f"cp={cp} with attention_dropout={dropout}: the cp attention has none; set it to 0, or cp=1.")
+
+
+def hf_context_parallel_spec(prefix: str) -> ContextParallelSpec:
+    """The attention modules and the ``position_ids`` taker of the transformers causal LM at ``prefix`` (e.g.
+    ``"model."`` inside ``HFCausalLM``)."""
+    return ContextParallelSpec(
+        attention=(prefix + _ATTENTION_MODULES,),
+        attention_attr=ATTRIBUTE,
+        position_ids=prefix.rstrip(".") or None,
+        prepare=functools.partial(route_attention, path=prefix.rstrip(".")),
+    )
+
+
+def route_attention(module: nn.Module, path: str = "") -> None:
+    """Make the transformers model at ``path`` in ``module`` (this instance) call :func:`cp_attention_forward`, which
+    calls each attention module's :data:`ATTRIBUTE` (``None`` until the strategy fills it)."""
+    import transformers  # optional dependency: lightning-dist[hf]
+
+    transformers.AttentionInterface.register(CP_ATTENTION, cp_attention_forward)
+    model = module.get_submodule(path)
+    for name, child in model.named_modules():
+        if fnmatch.fnmatchcase(name, _ATTENTION_MODULES) and not hasattr(child, ATTRIBUTE):
+            setattr(child, ATTRIBUTE, None)
+    model.set_attn_implementation(CP_ATTENTION)
+
+
+def cp_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature around ``module``'s cp attention: ``query`` (B, H, T_local, D),
+    ``key`` / ``value`` (B, K, T_local, D), RoPE-rotated -> ((B, T_local, H, D), no weights). Causal over the global
+    positions; ``attention_mask`` must be ``None`` (HF's mask is local; the cp attention masks by global position)."""
+    attention = getattr(module, ATTRIBUTE, None)
+    if attention is None:
+        raise ValueError(
+            f"{type(module).__name__} runs attn_implementation={CP_ATTENTION!r} without a cp attention; train it "
+            "under a strategy with cp > 1, or call model.set_attn_implementation('sdpa')."
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"cp attention got an attention_mask of shape {tuple(attention_mask.shape)}: padding masks are not split "
+            "over cp; pass no attention_mask (pack sequences without padding), or set cp=1."
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"cp attention got keys of {key.shape[2]} positions for queries of {query.shape[2]}: a KV cache is not "
+            "split over cp; call the model with use_cache=False, or set cp=1."
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"cp attention got sliding_window={kwargs['sliding_window']}: it is full causal attention; set the model "
+            "config's sliding_window=None, or cp=1."
+        )
+    if dropout or not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"cp attention got dropout={dropout}, is_causal={getattr(module, 'is_causal', True)}: it is causal "
+            "attention without dropout; set attention_dropout=0, or cp=1."
+        )
+    out = attention(query, key, value, scale=scaling)  # (B, H, T_local, D)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,187 @@
+"""Context parallelism for HuggingFace Llama-family models (transformers' attention-function hook, global
+``position_ids``): cp2 and cp2 x tp2 train a tiny Llama exactly as one process does with its own (sdpa) attention;
+models the cp attention cannot serve are refused in one line. One spawned group per size (1, 2, 4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from helpers import quiet_trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import MeshStrategy, _compat
+from lightning_dist.contract import declared_cp_spec
+from lightning_dist.models.hf import HFCausalLM
+from lightning_dist.models.hf_context import CP_ATTENTION, cp_attention_forward
+from lightning_dist.models.optim import OptimConfig
+from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.run.launch import launch
+
+SEQ, BATCH, STEPS, VOCAB = 32, 2, 3, 64
+
+
+def _config(family: str = "Llama", **extra: Any) -> Any:
+    import transformers
+
+    sizes = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ}  # fmt: skip
+    return getattr(transformers, f"{family}Config")(**{**sizes, **extra})
+
+
+class LocalPositions(HFCausalLM):
+    """The cp spec without its global ``position_ids``: the rotary embedding sees ``arange(T_local)`` (a control)."""
+
+    def context_parallel_spec(self) -> Any:
+        from dataclasses import replace
+
+        return replace(super().context_parallel_spec(), position_ids=None)
+
+
+class Record(pl.Callback):
+    """Each step's logged loss and gradient norm, its gradients (whole), and the attention implementation that ran."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.grads: list[dict[str, np.ndarray]] = []
+        self.attention = ""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.grads.append({n: _whole(p.grad).detach().numpy().copy() for n, p in pl_module.named_parameters()})
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+        self.attention = _compat.attn_implementation(pl_module.model.config)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _fit(
+    devices: int,
+    family: str = "Llama",
+    module_class: type[HFCausalLM] = HFCausalLM,
+    options: dict[str, Any] | None = None,
+    **degrees: int,
+) -> dict[str, Any]:
+    """Train a tiny model of ``family`` (built from its config, initialized by parameter name: the same weights in
+    every layout) ``STEPS`` steps on the same ``(inputs, targets)`` batches of ``SEQ`` tokens under ``degrees`` (and
+    strategy ``options``)."""
+    tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    dp = ParallelDims(devices, **{"dp_shard": 1, **degrees}).dp_size  # a loader's batch is per data-parallel rank
+    record = Record()
+    strategy = MeshStrategy(**{"dp_shard": 1, **degrees}, **(options or {}))
+    trainer = quiet_trainer(strategy, devices, STEPS, [record], precision="32-true")
+    module = module_class(_config(family), OptimConfig(lr=1e-3, warmup_steps=1), max_steps=STEPS)
+    trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH // dp))
+    describe = "\n".join(strategy.describe().lines())
+    return {"losses": record.losses, "norms": record.norms, "grads": record.grads, "attention": record.attention,
+            "describe": describe}  # fmt: skip
+
+
+def _one_rank() -> dict[str, Any]:
+    return {family: _fit(1, family) for family in ("Llama", "Qwen2")}
+
+
+def _two_ranks() -> dict[str, Any]:
+    out = {"cp2": _fit(2, cp=2), "cp2-qwen2": _fit(2, "Qwen2", cp=2)}
+    out["cp2-ac"] = _fit(2, options={"activation_checkpointing": "full"}, cp=2)  # the recomputation all-gathers again
+    return {**out, "local_positions": _fit(2, module_class=LocalPositions, cp=2)}
+
+
+def _four_ranks() -> dict[str, Any]:
+    return {"cp2xtp2": _fit(4, cp=2, tp=2), "cp2xfsdp2": _fit(4, cp=2, dp_shard=2)}
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> dict[str, Any]:
+    return launch(_one_rank, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(one_rank: dict[str, Any]) -> dict[str, Any]:
+    return one_rank["Llama"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return launch(_two_ranks, 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return launch(_four_ranks, 4)
+
+
+def _assert_same_run(run: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert len(run["losses"]) == len(reference["losses"]) == STEPS
+    np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5)
+    np.testing.assert_allclose(run["norms"], reference["norms"], rtol=1e-5)
+    for step, (got, want) in enumerate(zip(run["grads"], reference["grads"], strict=True)):
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=f"step {step} {name}")
+
+
+def test_cp2_matches_one_process_sdpa(two_ranks: list, one_rank: dict) -> None:
+    assert one_rank["Llama"]["attention"] == one_rank["Qwen2"]["attention"] == "sdpa"  # transformers' own attention
+    for rank in two_ranks:
+        assert rank["cp2"]["attention"] == CP_ATTENTION
+        _assert_same_run(rank["cp2"], one_rank["Llama"])
+        _assert_same_run(rank["cp2-ac"], one_rank["Llama"])
+        _assert_same_run(rank["cp2-qwen2"], one_rank["Qwen2"])
+    assert (
+        "context parallel cp=2: head-tail sequence split; 2 attention modules: all-gather"
+        in (two_ranks[0]["cp2"]["describe"])
+    )
+
+
+def _largest_gradient_gap(run: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The largest difference of a first-step gradient from the reference's, relative to that gradient's largest."""
+    got, want = run["grads"][0], reference["grads"][0]
+    return max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
+
+
+def test_cp2_needs_global_positions(two_ranks: list, reference: dict) -> None:
+    # The control: the same cp attention with HF's local arange(T / cp) positions. A tiny random model's loss barely
+    # depends on positions (1e-5), its gradients do: the comparison above checks the rotary positions.
+    for rank in two_ranks:
+        assert _largest_gradient_gap(rank["cp2"], reference) < 1e-5
+        assert _largest_gradient_gap(rank["local_positions"], reference) > 0.1
+
+
+@pytest.mark.parametrize("layout", ["cp2xtp2", "cp2xfsdp2"])
+def test_cp2_with_tp2_or_fsdp2_matches_one_process(layout: str, four_ranks: list, reference: dict) -> None:
+    for rank in four_ranks:
+        _assert_same_run(rank[layout], reference)
+
+
+def test_models_the_cp_attention_cannot_serve_are_refused() -> None:
+    gpt2 = HFCausalLM(_config("GPT2", n_embd=32, n_layer=2, n_head=4, n_positions=SEQ))
+    with pytest.raises(ValueError, match=r"^cp=2 with a HuggingFace 'gpt2' model: .* set cp=1\.$"):
+        declared_cp_spec(gpt2, 2)
+    window = HFCausalLM(_config("Mistral", sliding_window=8))
+    with pytest.raises(ValueError, match=r"^cp=2 with sliding_window=8: .* or cp=1\.$"):
+        declared_cp_spec(window, 2)
+    for family, extra in (("Qwen2", {}), ("Mistral", {"sliding_window": None})):
+        spec = declared_cp_spec(HFCausalLM(_config(family, **extra)), 2)
+        assert spec.attention == ("model.model.layers.*.self_attn",) and spec.position_ids == "model"
+
+
+def test_cp_attention_refuses_a_padding_mask() -> None:
+    q = torch.zeros(1, 4, 8, 8)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"^Module runs attn_implementation='lightning_dist_cp' without a cp"):
+        cp_attention_forward(module, q, q, q, None)
+    scales: list[float | None] = []
+    module.context_parallel_attention = lambda q, k, v, scale=None: scales.append(scale) or q
+    with pytest.raises(ValueError, match=r"^cp attention got an attention_mask of shape \(1, 8\): .* or set cp=1\.$"):
+        cp_attention_forward(module, q, q, q, torch.ones(1, 8, dtype=torch.bool))
+    out, weights = cp_attention_forward(module, q, q, q, None, scaling=0.5)
+    assert out.shape == (1, 8, 4, 8) and weights is None  # (B, T, H, D), as transformers expects
+    assert scales == [0.5]  # transformers' scaling reaches the cp attention
