@@ -27,6 +27,7 @@ from rich.table import Table
 
 from lightning_dist.config.build import planned_model
 from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
+from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, stage_params
 from lightning_dist.plan.cost_curve import Row, cost_curve, diloco_fields, duration, short
@@ -66,6 +67,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     Raises:
         ValueError: The model is not the built-in GPT, or the format is unknown.
     """
+    context_parallel = context_parallel_ok(cfg)  # before the model becomes its GPT shape
     cfg = replace(cfg, model=planned_model(cfg.model))  # a Llama-family model=hf is planned as its GPT shape
     if cfg.plan.format not in ("table", "json"):
         raise ValueError(f"plan.format={cfg.plan.format!r} is unknown; use table or json.")
@@ -80,7 +82,8 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
         else:
             _print_cost_curve(cfg, rows, float(tokens), price)
         return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
-    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism))
+    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism),
+                 context_parallel)  # fmt: skip
     if not found:
         raise ValueError(
             f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
@@ -95,20 +98,28 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     return found
 
 
+def context_parallel_ok(cfg: TrainConfig) -> bool:
+    """Whether the run could use cp: the built-in GPT with arch=llama on unmasked text (the pre-launch checks of
+    ``config/validate.py`` refuse the rest: HuggingFace models, gpt2, instruction / chat losses)."""
+    model = cfg.model
+    text = getattr(cfg.data, "format", "text") not in ("instruction", "chat")
+    return isinstance(model, GPTConfig) and model.arch == "llama" and text
+
+
 def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
     hw = cfg.hardware
     fitting = [e for e in found if e.fits]
     shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
     table = Table(title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
                   f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step")  # fmt: skip
-    for column in ("#", "pp", "tp", "dp rep x shard", "schedule", "m", "mb", "AC", "sync", "GiB", "tok/s/dev", "MFU",
-                   "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
+    for column in ("#", "pp", "tp", "cp", "dp rep x shard", "schedule", "m", "mb", "AC", "sync", "GiB", "tok/s/dev",
+                   "MFU", "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
         table.add_column(column, justify="right" if column not in ("schedule", "AC", "sync") else "left")
     for i, e in enumerate(shown, 1):
         lay = e.layout
         comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
         table.add_row(
-            str(i), str(lay.pp), str(lay.tp), f"{lay.dp_replicate} x {lay.dp_shard}",
+            str(i), str(lay.pp), str(lay.tp), str(lay.cp), f"{lay.dp_replicate} x {lay.dp_shard}",
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
             str(lay.micro_batch), lay.ac if lay.ac != "selective" else lay.ac_selective,
             lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step", f"{e.memory.total / GIB:.1f}",
@@ -163,7 +174,7 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
     # The planner's replicas are the mesh strategy's (FSDP2 on a (dp_replicate, dp_shard=1) mesh), not Lightning's DDP.
     strategy = "pipeline_parallel" if lay.pp > 1 else ("tensor_parallel" if lay.tp > 1 else "fsdp")
     par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
-                  tp=lay.tp, pp=lay.pp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
+                  tp=lay.tp, pp=lay.pp, cp=lay.cp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
                   microbatches=lay.microbatches if lay.pp > 1 else None,
                   activation_checkpointing=lay.ac, ac_selective=lay.ac_selective)  # fmt: skip
     per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node

@@ -16,6 +16,11 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
   reduce-scatter after them, in the forward and the backward (and the recomputed forward's); the vocabulary-
   parallel embedding a reduce-scatter, the head an all-gather; the parallel loss three all-reduces of one fp32 per
   token (max, sum of exponentials, target logit).
+- **CP** (context parallelism, :mod:`lightning_dist.parallel.context`) per block and micro batch: an all-gather of
+  this rank's keys and values (stacked, the tp-local key / value heads, compute dtype) in the forward, so its size
+  is the whole sequence's ``2 b (K / t) D T`` elements, again when the block is recomputed, and a reduce-scatter of
+  their gradients (the same size) in the backward. FSDP2 then shards over ``dp_shard x cp`` (``dp_shard_cp``,
+  reported as ``dp``), and every other per-token term above counts the local ``T / cp`` tokens.
 - **PP** per microbatch and virtual stage: the activation received from the previous stage and sent to the next,
   the gradient the other way (sequence-sharded under TP); the loss broadcast from the last stage per batch; the
   gradient norm's square summed over the stages.
@@ -42,7 +47,7 @@ from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import exchange_sizes
 from lightning_dist.parallel.diloco import build_fragments
 from lightning_dist.parallel.pipeline import stage_ids
-from lightning_dist.parallel_dims import DP, REPORTED_AXIS
+from lightning_dist.parallel_dims import DP, DP_CP, DP_SHARD_CP, REPORTED_AXIS
 from lightning_dist.plan.layout import Layout, stage_blocks
 
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20  # torch DDP's bucket_cap_mb and first bucket
@@ -173,7 +178,9 @@ def step_collectives(
         loop: Count the training loop's scalars (Lightning's and ours) too.
     """
     lay, dt = layout, Dtypes.of(precision)
-    pp, tp, ds, dr = lay.pp, lay.tp, lay.dp_shard, lay.dp_replicate
+    pp, tp, ds, dr, cp = lay.pp, lay.tp, lay.dp_shard, lay.dp_replicate, lay.cp
+    shard, shard_axis = ds * cp, DP_SHARD_CP if cp > 1 else "dp_shard"  # FSDP2's group: cp ranks share parameters
+    local_seq = seq_len // cp  # this rank's tokens of a sequence
     stage = (0 if pp <= 2 else 1) if stage is None else stage
     micro = lay.microbatches  # micro batches per step: pipeline microbatches, or accumulated batches
     batches = 1 if pp > 1 else micro  # Lightning batches per optimizer step
@@ -191,13 +198,15 @@ def step_collectives(
     world = spanned.pop() if len(spanned) == 1 else "world"
     if world == DP:
         world = "dp_shard" if ds > 1 else "dp_replicate"
+    if world == "world" and cp > 1 and tp == pp == 1:  # dp x cp: the flattened dp_cp group spans the world
+        world = DP_CP
     if lay.world > 1 and loop:
         add(world, "all_reduce", 4, 1, "the preemption flag")
         # Logging steps' train/loss sync_dist and loss history: over the data-parallel ranks (strategies/metrics.py).
         logged = "train/loss sync_dist and the loss history (logging)"
         if lay.dims.model_parallel_size == 1:
             add(world, "all_reduce", 4, 2, logged)
-        elif lay.dims.dp_size > 1:
+        elif lay.dims.dp_cp_size > 1:  # over dp x cp (dp_cp), the ranks holding other tokens
             add(DP, "all_reduce", 4, 2, logged)
 
     sp = lay.sequence_parallel
@@ -214,7 +223,7 @@ def step_collectives(
     unit_tensors = [block] * blocks + [root for root in roots if root]
     # FSDP2 computes in bf16 from bf16 parameters; without it, autocast leaves the embedding, the residual stream
     # and the norm outputs in the fp32 of the parameters (only matmul outputs are bf16).
-    fsdp = dr * ds > 1
+    fsdp = dr * shard > 1
     stream = dt.compute if fsdp else dt.master
     # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
     partial_bytes = dt.reduce if micro > 1 else dt.compute
@@ -222,12 +231,12 @@ def step_collectives(
         for index, tensors_ in enumerate(unit_tensors):
             # The last block stays gathered from its forward to its backward (parallel/data.py: apply_fsdp).
             gathers = 1 if pp > 1 else micro if index == blocks - 1 else 2 * micro
-            padded = sum(t.padded(ds) for t in tensors_)
-            if ds > 1:
-                add("dp_shard", "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
-                add("dp_shard", "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
+            padded = sum(t.padded(shard) for t in tensors_)
+            if shard > 1:
+                add(shard_axis, "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
+                add(shard_axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
             if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
-                add("dp_replicate", "all_reduce", padded // ds * dt.reduce, 1, "FSDP2 gradients over replicas")
+                add("dp_replicate", "all_reduce", padded // shard * dt.reduce, 1, "FSDP2 gradients over replicas")
             for t in tensors_:
                 if t.partial_grad:
                     add("tp", "all_reduce", t.dim0 * t.rest * partial_bytes, 1, "FSDP2: SP norm gradient")
@@ -235,8 +244,14 @@ def step_collectives(
         partial = sum(t.dim0 * t.rest for t in all_tensors if t.partial_grad)
         add("tp", "all_reduce", partial * dt.master, 1 if partial else 0, "SP norm gradients (one coalesced)")
 
+    if cp > 1:  # keys and values of every block: gathered in the forward (and recomputation), gradients scattered
+        kv = 2 * lay.micro_batch * cfg.kv_heads // tp * cfg.head_dim * seq_len * dt.compute  # the whole sequence's
+        again = recomputed_blocks(lay, blocks)
+        add("cp", "all_gather", kv, micro * (blocks + again), "CP: keys and values of the whole sequence")
+        add("cp", "reduce_scatter", kv, micro * blocks, "CP: gradients of the keys and values")
+
     if tp > 1:
-        tokens = lay.micro_batch * seq_len * cfg.d_model  # elements of one whole (micro batch, seq, d_model) tensor
+        tokens = lay.micro_batch * local_seq * cfg.d_model  # elements of one whole (micro batch, seq, d_model) tensor
         # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops
         # once every saved tensor is back, before the block's last reduce-scatter); the op-level policies too: they
         # keep matmul and attention outputs, not collectives. ac_selective=<n> checkpoints every n-th block.
@@ -263,15 +278,15 @@ def step_collectives(
                 "TP: gradients of q/k/v/gate/up/head inputs",
             )
         if lay.loss_parallel:
-            add("tp", "all_reduce", lay.micro_batch * seq_len * 4, 3 * micro * lasts, "loss parallel")
+            add("tp", "all_reduce", lay.micro_batch * local_seq * 4, 3 * micro * lasts, "loss parallel")
         else:
-            logits = lay.micro_batch * seq_len * cfg.vocab_size * dt.compute
+            logits = lay.micro_batch * local_seq * cfg.vocab_size * dt.compute
             add("tp", "all_gather", logits, micro * lasts, "TP: the head's logits gathered")
 
     n_grads = len(all_tensors)
-    if dr * ds > 1 or tp > 1:
-        if ds > 1:
-            add("dp_shard", "all_reduce", 4 * n_grads, 1, "gradient norm")
+    if dr * shard > 1 or tp > 1:
+        if shard > 1:
+            add(shard_axis, "all_reduce", 4 * n_grads, 1, "gradient norm")
         if tp > 1:
             add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
 
@@ -300,13 +315,9 @@ def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
         return []
     opts, n, compression = lay.options, lay.dp_replicate, lay.options.diloco_compression
     out = []
+    what = {"all_reduce": "all-reduced", "all_to_all": "chunks reduce-scattered", "all_gather": "means gathered"}
     for numel in fragment_elements(cfg, lay, stage):  # as parallel/compression.py sends it
         for op, size in exchange_sizes(numel, compression, n):
-            what = {
-                "all_reduce": "all-reduced",
-                "all_to_all": "chunks reduce-scattered",
-                "all_gather": "means gathered",
-            }
             out.append(Collective("dp_replicate", op, size, 1, f"DiLoCo pseudo-gradient ({compression}, {what[op]})"))
     assert len(out) == opts.diloco_fragments * (1 if compression == "fp32" else 2)
     return out
@@ -316,7 +327,7 @@ def fragment_elements(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     """Elements of this rank's shard in each DiLoCo fragment, split by :func:`lightning_dist.parallel.diloco.
     build_fragments` over whole blocks (the embedding with the first, the final norm and head with the last)."""
     lay = layout
-    pp, tp, ds = lay.pp, lay.tp, lay.dp_shard
+    pp, tp, ds = lay.pp, lay.tp, lay.fsdp_shard
     stage = (0 if pp <= 2 else 1) if stage is None else stage
     sp = lay.sequence_parallel
 

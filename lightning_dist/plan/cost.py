@@ -17,7 +17,7 @@ from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
-from lightning_dist.parallel_dims import AXES
+from lightning_dist.parallel_dims import AXES, DP_CP, DP_SHARD_CP
 from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
 from lightning_dist.plan.layout import Layout, layer_params, stage_split
 from lightning_dist.plan.memory import GIB, MemoryEstimate, block_params, estimate_memory
@@ -56,6 +56,9 @@ ASSUMPTIONS = [
     f"Megatron's, hides {TP_OVERLAP:.0%} of TP)",
     "pipeline bubble (p-1)/(v m + p-1) of the step (v = stages per rank); zero-bubble schedules (InterleavedZeroBubble,"
     " ZBVZeroBubble, DualPipeV) leave a third of that idle time",
+    "context parallelism: per block and micro batch an all-gather of the keys and values of the whole sequence in "
+    "the forward (again when recomputed) and a reduce-scatter of their gradients, never hidden; attention compute "
+    "split evenly over cp (head-tail chunks)",
     "links: tp inside a node; an axis whose groups span nodes runs at hardware.inter_node_gbps, else at "
     "intra_node_gbps (achievable bus bandwidth per device)",
     f"memory bandwidth: {MEMORY_BOUND_SHARE:.1%} of the compute time at {REFERENCE_MEMORY_TBPS} TB/s is memory-bound "
@@ -129,7 +132,7 @@ def estimate(
         precision: Lightning's precision string (the dtypes of gathers, reductions and activations).
     """
     lay = layout
-    local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.dp_shard)
+    local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.fsdp_shard)
     memory = estimate_memory(
         cfg, lay.dims, lay.options, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch
     )
@@ -162,7 +165,7 @@ def estimate(
         axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / link / 1e9
     for name, axis in comm.items():
         seconds = axis["seconds"]
-        if name == "dp_shard":  # prefetched: hidden under compute except the first unit's
+        if name in ("dp_shard", DP_SHARD_CP):  # prefetched: hidden under compute except the first unit's
             axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
         elif name == "dp_replicate":  # under the backward
             axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
@@ -253,6 +256,10 @@ def bubble_fraction(layout: Layout) -> float:
 
 def _group_size(layout: Layout, axis: str) -> int:
     """Ranks in a group of ``axis``: its degree, the world for the default group, 2 for any other (a tied pair)."""
+    if axis == DP_SHARD_CP:
+        return layout.fsdp_shard
+    if axis == DP_CP:
+        return layout.dims.dp_cp_size
     return layout.dims.degrees.get(axis, layout.world if axis == "world" else 2)
 
 
@@ -267,9 +274,11 @@ def _axis_link(hw: HardwareConfig, layout: Layout, axis: str) -> float:
 def _span(layout: Layout, axis: str) -> int:
     """Consecutive ranks a group of ``axis`` spreads over: its degree times those of the axes inside it; the whole
     world for a group that is no mesh axis."""
+    degrees = layout.dims.degrees
+    if axis == DP_SHARD_CP:  # dp_shard x cp, adjacent on the mesh
+        return math.prod(degrees[inner] for inner in AXES[AXES.index("dp_shard") :])
     if axis not in AXES:
         return layout.world
-    degrees = layout.dims.degrees
     return math.prod(degrees[inner] for inner in AXES[AXES.index(axis) :])
 
 

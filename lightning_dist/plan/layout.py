@@ -25,7 +25,7 @@ from lightning_dist.parallel_dims import AXES, DP_AXES, ParallelDims
 from lightning_dist.plan.memory import block_params
 
 #: The degrees in the plan's JSON: the data-parallel axes, then the others innermost first (dp_replicate, dp_shard,
-#: tp, pp).
+#: tp, cp, pp).
 JSON_DEGREES: tuple[str, ...] = (*DP_AXES, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
 #: The DiLoCo options that change its cost (``diloco_<name>`` fields of ParallelOptions), in the plan's JSON.
 DILOCO_FIELDS: tuple[str, ...] = ("every", "fragments", "delay", "compression")
@@ -36,7 +36,7 @@ class Layout:
     """One way to run the job: its degrees, its options, and what only the planner varies.
 
     Args:
-        dims: The degrees (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``) over ``dims.world_size`` ranks.
+        dims: The degrees (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``) over ``dims.world_size`` ranks.
         options: Pipeline schedule, stages per rank and microbatches (``pp > 1``), activation checkpointing,
             sequence and loss parallelism.
         micro_batch: Samples per forward (under pp, one pipeline microbatch).
@@ -81,8 +81,8 @@ class Layout:
     ) -> Layout:
         """A layout from the planner's numbers: ``microbatches`` are the micro batches per optimizer step (the
         pipeline's under pp, else the ones Lightning accumulates); ``fields`` are the degrees (``dp_replicate``,
-        ``dp_shard``, ``tp``, ``pp``; 1 when not given) and :class:`ParallelOptions` fields."""
-        degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "tp", "pp")}
+        ``dp_shard``, ``cp``, ``tp``, ``pp``; 1 when not given) and :class:`ParallelOptions` fields."""
+        degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
         dims = ParallelDims(math.prod(degrees.values()), **degrees)
         options = ParallelOptions(microbatches=microbatches if dims.pp > 1 else None, **fields)
         accumulate = 1 if dims.pp > 1 else microbatches
@@ -104,6 +104,15 @@ class Layout:
     @property
     def pp(self) -> int:
         return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP2 shards a parameter over: ``dp_shard x cp`` (cp ranks hold the same parameters)."""
+        return self.dims.dp_shard * self.dims.cp
 
     @property
     def world(self) -> int:
@@ -175,7 +184,8 @@ class Layout:
         }
 
     def describe(self) -> str:
-        degrees = f"pp{self.pp} tp{self.tp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        degrees = f"pp{self.pp} tp{self.tp}{cp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
         pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
         return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}"
 

@@ -26,6 +26,21 @@ Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activat
 - a pipeline stage holds its blocks' activations for the microbatches in flight: 1 (no pipeline), ``min(m, pp)`` on
   the first stage of 1F1B-like schedules, all ``m`` for GPipe / LoopedBFS.
 
+Context parallelism (``cp``, :mod:`lightning_dist.parallel.context`): a rank computes on ``T / cp`` tokens of each
+sequence, so every term above counts local tokens, except what the all-gather attention keeps for the backward of
+each block it runs uncheckpointed (measured with saved-tensor hooks, :mod:`lightning_dist.plan.measure`):
+
+- the keys and values of the whole sequence, repeated to the query heads: ``2 (H / t) D T`` elements per sample
+  instead of ``2 (H / t) D T / cp`` (:func:`cp_block_extra`);
+- the attention output, concatenated from the two chunks and copied for ``o_proj``: ``H D / t`` per local token;
+- the causal masks of the two query chunks (``c = T / 2cp`` rows; ``c (r + 1)`` and ``c (2cp - r)`` keys), which
+  SDPA turns into an additive mask of the compute dtype: ``c^2 (2cp + 1)`` elements per block, per micro batch
+  whatever its size; quadratic in T (2.1 GiB per block for 128K tokens at cp=8);
+- once per rank, the int64 order of the gathered tokens (8 bytes per token of the sequence).
+
+Under ``selective`` the attention's inputs are recomputed (only its output is kept): no extra; the block recomputed
+in the backward holds all of it.
+
 FSDP2 buffers: two all-gathered bf16 units (the current one and the prefetched next) and one unit's fp32 unsharded
 gradient before its reduce-scatter. A margin (default 10%) covers the allocator's fragmentation; the CUDA context
 (about 1 GiB) is taken off the device's memory.
@@ -118,26 +133,30 @@ def estimate_memory(
 
     Args:
         cfg: The model.
-        dims: The layout's degrees (``tp``, ``dp_shard`` and ``pp`` matter here).
+        dims: The layout's degrees (``tp``, ``dp_shard``, ``cp`` and ``pp`` matter here).
         options: Its options: the pipeline schedule and microbatches, activation checkpointing.
         local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`).
         seq_len: Tokens per sample.
         micro_batch: Samples per forward: ``data.micro_batch_size`` (under pp, one pipeline microbatch).
         margin: Allocator fragmentation margin on the total.
     """
-    tp, dp_shard, pp = dims.tp, dims.dp_shard, dims.pp
+    tp, dp_shard, pp, cp = dims.tp, dims.dp_shard, dims.pp, dims.cp
     activation_checkpointing, ac_selective = options.activation_checkpointing, options.ac_selective
     microbatches, schedule = options.num_microbatches(pp), options.schedule
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp  # this rank's tokens of a micro batch
     blocks = -(-cfg.n_layers // pp)
     in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
     per_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective)
     activations = in_flight * tokens * (blocks * per_block + cfg.d_model / tp) * ACT_BYTES
+    extra = cp_block_extra(cfg, tp, cp, seq_len, micro_batch)
+    activations += in_flight * _uncheckpointed(blocks, activation_checkpointing, ac_selective) * extra
     if activation_checkpointing != "none":  # one block recomputed whole during backward
-        activations += tokens * block_activation_elements(cfg, tp, "none") * ACT_BYTES
+        activations += tokens * block_activation_elements(cfg, tp, "none") * ACT_BYTES + extra
+    if cp > 1:
+        activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
     logits = int(tokens * cfg.vocab_size / tp * LOGIT_BYTES)
     buffers = 0
-    if dp_shard > 1:
+    if dp_shard * cp > 1:
         unit = max(block_params(cfg), 2 * cfg.vocab_size * cfg.d_model) / tp  # a block, or the embedding + head
         buffers = int(unit * (2 * 2 + 4))
     return MemoryEstimate(
@@ -149,6 +168,28 @@ def estimate_memory(
         buffers=buffers,
         margin=margin,
     )
+
+
+def cp_block_extra(cfg: GPTConfig, tp: int, cp: int, seq_len: int, micro_batch: int) -> float:
+    """Bytes one uncheckpointed block keeps beyond :func:`block_activation_elements` of its local tokens under
+    context parallelism (0 at ``cp=1``): whole-sequence keys and values, the copied attention output, and the two
+    chunks' additive causal masks (module docstring)."""
+    if cp == 1:
+        return 0.0
+    width = cfg.n_heads * cfg.head_dim / tp  # query heads x head_dim of this tp rank
+    local = seq_len // cp
+    chunk = seq_len // (2 * cp)
+    per_sample = 2 * width * (seq_len - local) + width * local
+    return (micro_batch * per_sample + chunk * chunk * (2 * cp + 1)) * ACT_BYTES
+
+
+def _uncheckpointed(blocks: int, mode: str, selective: str) -> int:
+    """Blocks of a stage that keep everything for the backward (``selective="<n>"``: all but every n-th)."""
+    if mode == "none":
+        return blocks
+    if mode == "full" or not selective.isdigit():
+        return 0
+    return blocks - -(-blocks // int(selective))
 
 
 def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1) -> int:

@@ -29,11 +29,15 @@ def layouts(
     gpus_per_node: int,
     plan: PlanConfig,
     diloco: Mapping[str, Any] | None = None,
+    seq_len: int | None = None,
+    context_parallel: bool = False,
 ) -> Iterator[Layout]:
     """Layouts of ``world`` ranks the model and batch allow.
 
     - pp divides the world and the layers (at most ``plan.max_pp``); tp divides the devices of a node and the
       query and key / value heads (tp stays inside a node);
+    - with ``context_parallel`` (a model the cp implementation takes: the built-in GPT, arch=llama), cp divides the
+      ranks left by tp, without pp (not supported together yet), where ``seq_len`` splits into ``2 x cp`` chunks;
     - the data-parallel ranks: FSDP2 over all of them, HSDP (shard inside a node, replicate across), or replicas
       only;
     - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp every schedule (GPipe,
@@ -51,29 +55,45 @@ def layouts(
         for tp in _divisors(gpus_per_node):
             if (world // pp) % tp or cfg.n_heads % tp or cfg.kv_heads % tp:
                 continue
-            dp = world // (pp * tp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            for replicate, shard in _data_parallel(dp, gpus_per_node // tp if pp * tp <= gpus_per_node else 1):
-                dims = ParallelDims(world, replicate, shard, tp, pp)
-                for micro in plan.micro_batches:
-                    if per_rank % micro:
-                        continue
-                    steps = per_rank // micro  # the pipeline's microbatches, else Lightning's accumulated batches
-                    microbatches, accumulate = (steps, 1) if pp > 1 else (None, steps)
-                    for schedule, v in _schedules(cfg, pp, steps):
-                        for ac, selective in AC_MODES:
-                            for sync in syncs if replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) else [{}]:
-                                options = ParallelOptions(
-                                    schedule=schedule,
-                                    microbatches=microbatches,
-                                    stages_per_rank=v,
-                                    activation_checkpointing=ac,
-                                    ac_selective=selective,
-                                    **sync,
-                                )
-                                yield Layout(dims, options, micro, accumulate)
+            for cp in _context_degrees(cfg, world // (pp * tp), pp, seq_len, context_parallel):
+                dp = world // (pp * tp * cp)
+                if global_batch % dp:
+                    continue
+                inner = tp * cp  # ranks inside one data-parallel index: HSDP shards over the rest of a node
+                per_node = gpus_per_node // inner if pp * inner <= gpus_per_node else 1
+                for replicate, shard in _data_parallel(dp, per_node):
+                    yield from _with_options(cfg, ParallelDims(world, replicate, shard, tp, pp, cp),
+                                             global_batch // dp, plan, syncs, diloco)  # fmt: skip
+
+
+def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, enabled: bool) -> list[int]:
+    """cp degrees searched: divisors of ``ranks`` whose ``2 x cp`` chunks split the sequence (1 alone without cp)."""
+    if not enabled or pp > 1 or seq_len is None or cfg.arch != "llama":
+        return [1]
+    return [cp for cp in _divisors(ranks) if seq_len % (2 * cp) == 0 or cp == 1]
+
+
+def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanConfig, syncs: list[dict[str, Any]],
+                  diloco: Mapping[str, Any] | None) -> Iterator[Layout]:  # fmt: skip
+    """Every micro batch, schedule, activation checkpointing and sync of one set of degrees."""
+    pp, replicate = dims.pp, dims.dp_replicate
+    for micro in plan.micro_batches:
+        if per_rank % micro:
+            continue
+        steps = per_rank // micro  # the pipeline's microbatches, else Lightning's accumulated batches
+        microbatches, accumulate = (steps, 1) if pp > 1 else (None, steps)
+        for schedule, v in _schedules(cfg, pp, steps):
+            for ac, selective in AC_MODES:
+                for sync in syncs if replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) else [{}]:
+                    options = ParallelOptions(
+                        schedule=schedule,
+                        microbatches=microbatches,
+                        stages_per_rank=v,
+                        activation_checkpointing=ac,
+                        ac_selective=selective,
+                        **sync,
+                    )
+                    yield Layout(dims, options, micro, accumulate)
 
 
 def rank(
@@ -84,11 +104,14 @@ def rank(
     global_batch: int,
     plan: PlanConfig,
     diloco: Mapping[str, Any] | None = None,
+    context_parallel: bool = False,
 ) -> list[Estimate]:
     """Every layout estimated, those that fit first, each group by tokens/s per device (best first; on a tie,
-    synchronous before DiLoCo, whose replicas drift apart between outer steps)."""
+    synchronous before DiLoCo, whose replicas drift apart between outer steps). ``context_parallel``: also search
+    cp (the model is one the cp implementation takes)."""
     found = [estimate(cfg, lay, hw, seq_len, global_batch)
-             for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco)]  # fmt: skip
+             for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco, seq_len,
+                                context_parallel)]  # fmt: skip
     return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.layout.diloco, e.memory.total))
 
 

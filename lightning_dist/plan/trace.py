@@ -1,5 +1,5 @@
 """One rank of a real-size layout, traced on this machine: the model on the meta device, torch's fake process-group
-backend for the world, and the strategy's own parallelize path (TP, activation checkpointing, FSDP2, pipeline
+backend for the world, and the strategy's own parallelize path (TP, CP, activation checkpointing, FSDP2, pipeline
 split). Nothing is allocated and no collective runs; what the rank would hold is read from its shards' shapes.
 
 With ``step=True`` the rank then runs one optimizer step on fake tensors (``FakeTensorMode``: shapes and dtypes
@@ -29,6 +29,7 @@ from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import build_parallel_dims, options_of, split_batch
 from lightning_dist.parallel.clip import clip_grad_norm_
+from lightning_dist.parallel.context import shard_batch
 from lightning_dist.parallel.tensor import reduce_partial_grads
 from lightning_dist.parallel_dims import REPORTED_AXIS
 from lightning_dist.strategies import build_strategy
@@ -112,7 +113,8 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
-        batch = (tokens[:, :-1], tokens[:, 1:])
+        dims = strategy.parallel_dims  # under cp, this rank's head and tail chunks, as the strategy cuts a batch
+        batch = shard_batch((tokens[:, :-1], tokens[:, 1:]), dims.cp, mesh["cp"].get_local_rank())
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         mem = _memory_tracker(module, optimizer, batch) if memory else None
         with tracker, mem if mem is not None else contextlib.nullcontext():

@@ -1,0 +1,101 @@
+"""What one rank's forward keeps for its backward, measured on real tensors: the check of the planner's activations.
+
+:func:`measure_activations` runs in a rank of a launched job (gloo on CPU): it builds the model and lays it out
+through the strategy's own parallelize path (TP, context parallelism, activation checkpointing, FSDP2), cuts one
+micro batch for its cp rank as the strategy does, and runs the loss's forward under saved-tensor hooks
+(:class:`SavedBytes`), which count every tensor autograd keeps for the backward (by storage: a view keeps all of
+its base alive). Parameters (FSDP2's gathered ones included) are not activations and are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_dist import _compat
+from lightning_dist.config.build import build_module
+from lightning_dist.config.schema import TrainConfig
+from lightning_dist.config.validate import build_parallel_dims, options_of
+from lightning_dist.parallel.context import shard_batch
+from lightning_dist.strategies import build_strategy
+
+
+class SavedBytes:
+    """Saved-tensor hooks counting the bytes of distinct storages autograd keeps inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if not _is_parameter(tensor, storage.data_ptr()):
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _is_parameter(tensor: torch.Tensor, pointer: int) -> bool:
+    """A parameter, or a view of one (a weight transposed for its matmul): its storage is a leaf's that autograd
+    accumulates a gradient into."""
+    if tensor.requires_grad and tensor.is_leaf:
+        return True
+    nodes = tensor.grad_fn.next_functions if tensor.grad_fn is not None else ()
+    leaves = [node.variable for node, _ in nodes if node is not None and hasattr(node, "variable")]
+    return any(leaf.untyped_storage().data_ptr() == pointer for leaf in leaves)
+
+
+def measure_activations(cfg: TrainConfig, seed: int = 0) -> dict[str, int]:
+    """Bytes this rank's forward of one micro batch keeps for the backward under ``cfg``'s layout.
+
+    Call it in every rank of a job of ``cfg``'s world size (e.g. ``launch(measure_activations, world, cfg)``); it
+    starts and ends the gloo process group itself. Returns ``{"saved_bytes", "tokens"}`` (``tokens``: this rank's
+    tokens of the micro batch, after the cp split). The backward runs too, so a layout that cannot train fails here.
+    """
+    dist.init_process_group("gloo")
+    try:
+        dims = build_parallel_dims(cfg)
+        mesh = dims.build_mesh("cpu")
+        module = build_module(cfg)
+        strategy = build_strategy(cfg.parallelism.strategy, dims, options_of(cfg))
+        environment = LightningEnvironment()
+        environment.set_world_size(dims.world_size)
+        environment.set_global_rank(dist.get_rank())
+        strategy.cluster_environment, strategy.parallel_devices = environment, [torch.device("cpu")] * dims.world_size
+        if cfg.cluster.precision == "bf16-mixed":
+            strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+        _compat.set_device_mesh(strategy, module, mesh)
+        torch.manual_seed(seed)
+        module.configure_model()
+        strategy.parallelize_module(module)
+        micro = cfg.data.micro_batch_size or 1
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len + 1), generator=generator)
+        batch = shard_batch((tokens[:, :-1], tokens[:, 1:]), dims.cp, mesh["cp"].get_local_rank())
+        with SavedBytes() as saved, strategy.precision_plugin.forward_context(), strategy.loss_context():
+            loss = module.compute_loss(batch)
+        with strategy.loss_context():
+            loss.backward()
+        return {"saved_bytes": saved.bytes, "tokens": batch[0].numel()}
+    finally:
+        dist.destroy_process_group()
+
+
+def with_layout(cfg: TrainConfig, **degrees: int) -> TrainConfig:
+    """``cfg`` with other parallelism degrees (e.g. ``cp=2, dp_shard=1``)."""
+    return replace(cfg, parallelism=replace(cfg.parallelism, **degrees))
