@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
@@ -112,7 +113,9 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
         default_root_dir=out_dir,
-        **args.extra,  # every other Trainer argument, as the user gave it (+trainer.profiler=simple)
+        # Every other Trainer argument, as the user gave it (+trainer.profiler=simple), a node with _target_ built
+        # (+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiler +trainer.profiler.dirpath=...).
+        **{name: _built(value) for name, value in args.extra.items()},
     )
     watchdog = watch_external_job(out_dir)  # torchrun / srun: no launcher of ours reads the heartbeats
     try:
@@ -139,6 +142,11 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         wandb_dir=finish_wandb(logger),
         csv=str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
     )
+
+
+def _built(value: Any) -> Any:
+    """A ``Trainer`` argument given as a node with ``_target_`` built by Hydra; any other value as it is."""
+    return instantiate(value) if isinstance(value, dict) and "_target_" in value else value
 
 
 class ShowLayout(pl.Callback):

@@ -92,13 +92,17 @@ def quiet_env(monkeypatch, tmp_path):
 ONE_RANK = [o for o in FAST if not o.startswith("logger=")] + ["trainer.devices=1"]
 
 
-def test_the_run_receives_what_was_passed(tmp_path: Path, quiet_env, capfd):
-    """By epochs, with a pass-through batch limit and profiler: 1 epoch of 3 batches, and the profiler report."""
+def test_the_run_receives_what_was_passed(tmp_path: Path, quiet_env):
+    """By epochs, with a pass-through batch limit and a profiler built from ``_target_`` (its report is a file: the
+    ranks' stdout is not this test's): 1 epoch of 3 batches."""
+    profiler = "+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiler"
     overrides = [*ONE_RANK, "logger=none", "trainer.max_steps=-1", "trainer.max_epochs=1",
-                 "+trainer.limit_train_batches=3", "+trainer.profiler=simple"]  # fmt: skip
+                 "+trainer.limit_train_batches=3", profiler, f"+trainer.profiler.dirpath={tmp_path / 'prof'}",
+                 "+trainer.profiler.filename=simple"]  # fmt: skip
     result = run_app(overrides, tmp_path / "epochs")
     assert result.steps == 3
-    assert "FIT Profiler Report" in "".join(capfd.readouterr())
+    report = (tmp_path / "prof" / "fit-simple.txt").read_text()
+    assert "FIT Profiler Report" in report and "run_training_batch" in report
 
 
 def test_fast_dev_run_saves_and_logs_nothing(tmp_path: Path, quiet_env):
