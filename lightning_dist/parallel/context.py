@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.bias import causal_lower_right
 
 from lightning_dist.parallel_dims import check_context_parallel_seq_len
 
@@ -179,6 +180,21 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
+def _causal_chunk(query: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
+    """Query ``i`` of ``query`` (B, H, c, D) against ``keys`` / ``values`` (B, K, end, D) up to ``i + end - c``
+    (the lower-right causal mask), with no quadratic tensor kept for the backward."""
+    chunk, end = query.shape[2], keys.shape[2]
+    if query.device.type != "cpu":  # CUDA's flash / efficient kernels take the lower-right mask as a flag
+        mask = causal_lower_right(chunk, end)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    # On CPU torch materializes a CausalBias (an additive c x end mask, kept for the backward): instead, zero queries
+    # in front make the mask the square causal one, which the CPU flash kernel takes as a flag. Costs (end - c)
+    # query rows of compute and two (B, H, end, D) tensors kept, linear in T; their outputs are dropped.
+    padded = torch.cat((query.new_zeros(*query.shape[:2], end - chunk, query.shape[3]), query), dim=2)
+    out = F.scaled_dot_product_attention(padded, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    return out[:, :, end - chunk :]
+
+
 class AllGatherAttention:
     """Causal attention over the whole sequence for a cp rank holding its head and tail chunks (portable, exact).
 
@@ -204,19 +220,13 @@ class AllGatherAttention:
         kv = _AllGather.apply(torch.stack((k, v)), self.group)  # (cp * 2, B, K, T_local, D), rank-major
         kv = kv.unflatten(0, (cp, 2)).movedim(0, 3).flatten(3, 4)  # (2, B, K, cp * T_local, D)
         kv = kv.index_select(3, self._order(cp * local_len, kv.device))  # (2, B, K, T, D): global order
-        groups = q.shape[1] // kv.shape[2]
-        if groups > 1:
-            kv = kv.repeat_interleave(groups, dim=2)  # (2, B, H, T, D)
-        keys, values = kv[0], kv[1]
+        keys, values = kv[0], kv[1]  # K heads: SDPA's grouped-query path keeps these, not H repeated copies
         outs = []
         for index, chunk_id in enumerate((self.rank, 2 * cp - 1 - self.rank)):
             start = chunk_id * chunk  # global position of the chunk's first query
             end = start + chunk  # keys after the chunk's last query are masked for all of it: not computed
             query = q[:, :, index * chunk : (index + 1) * chunk]  # (B, H, c, D)
-            mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(diagonal=start)  # key <= query
-            outs.append(
-                F.scaled_dot_product_attention(query, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=scale)
-            )
+            outs.append(_causal_chunk(query, keys[:, :, :end], values[:, :, :end], scale))
         return torch.cat(outs, dim=2)  # (B, H, T_local, D)
 
     def _order(self, seq_len: int, device: torch.device) -> Tensor:

@@ -30,12 +30,13 @@ Context parallelism (``cp``, :mod:`lightning_dist.parallel.context`): a rank com
 sequence, so every term above counts local tokens, except what the all-gather attention keeps for the backward of
 each block it runs uncheckpointed (measured with saved-tensor hooks, :mod:`lightning_dist.plan.measure`):
 
-- the keys and values of the whole sequence, repeated to the query heads: ``2 (H / t) D T`` elements per sample
-  instead of ``2 (H / t) D T / cp`` (:func:`cp_block_extra`);
-- the attention output, concatenated from the two chunks and copied for ``o_proj``: ``H D / t`` per local token;
-- the causal masks of the two query chunks (``c = T / 2cp`` rows; ``c (r + 1)`` and ``c (2cp - r)`` keys), which
-  SDPA turns into an additive mask of the compute dtype: ``c^2 (2cp + 1)`` elements per block, per micro batch
-  whatever its size; quadratic in T (2.1 GiB per block for 128K tokens at cp=8);
+- the keys and values of the whole sequence, of the key / value heads (SDPA's ``enable_gqa``): ``2 (K / t) D T``
+  elements per sample, in place of the local ones repeated to the query heads, ``2 (H / t) D T / cp``;
+- on CPU, the two chunks' queries and outputs padded with zero queries to the chunk's end (``c = T / 2cp`` rows;
+  ends ``c (r + 1)`` and ``c (2cp - r)``, ``T + c`` in all), so that SDPA's causal flag is the chunk's mask and no
+  quadratic mask is kept: ``2 (H / t) D (T + c - T / cp)`` more, the fp32 logsumexp of those rows, and the
+  concatenated output ``(H / t) D`` per local token (:func:`cp_block_extra`). On CUDA SDPA takes the lower-right
+  causal mask as a flag and keeps no padding: the planner over-counts it there (an upper bound; not measured on a GPU);
 - once per rank, the int64 order of the gathered tokens (8 bytes per token of the sequence).
 
 Under ``selective`` the attention's inputs are recomputed (only its output is kept): no extra; the block recomputed
@@ -172,15 +173,18 @@ def estimate_memory(
 
 def cp_block_extra(cfg: GPTConfig, tp: int, cp: int, seq_len: int, micro_batch: int) -> float:
     """Bytes one uncheckpointed block keeps beyond :func:`block_activation_elements` of its local tokens under
-    context parallelism (0 at ``cp=1``): whole-sequence keys and values, the copied attention output, and the two
-    chunks' additive causal masks (module docstring)."""
+    context parallelism (0 at ``cp=1``): whole-sequence keys and values of the key / value heads, and the two chunks'
+    queries and outputs padded to the chunks' ends (module docstring); linear in ``seq_len``."""
     if cp == 1:
         return 0.0
     width = cfg.n_heads * cfg.head_dim / tp  # query heads x head_dim of this tp rank
+    kv_width = cfg.kv_heads * cfg.head_dim / tp  # key / value heads x head_dim: SDPA's grouped-query path
     local = seq_len // cp
-    chunk = seq_len // (2 * cp)
-    per_sample = 2 * width * (seq_len - local) + width * local
-    return (micro_batch * per_sample + chunk * chunk * (2 * cp + 1)) * ACT_BYTES
+    rows = seq_len + seq_len // (2 * cp)  # padded query rows of the two chunks: their ends, (2cp + 1) c
+    gathered = 2 * kv_width * seq_len - 2 * width * local  # whole K/V, K heads, replace the local repeated ones
+    padded = 2 * width * (rows - local) + width * local  # padded q and output beyond the local ones; the cat copy
+    lse = 2 * (width / cfg.head_dim) * (rows - local)  # fp32 logsumexp per padded row and head: 2 elements
+    return micro_batch * (gathered + padded + lse) * ACT_BYTES
 
 
 def _uncheckpointed(blocks: int, mode: str, selective: str) -> int:
