@@ -132,6 +132,7 @@ def _two_ranks(root: str) -> dict[str, Any]:
     out = {"cp2": cp2, "attention": {"gqa": _attention(4, 2), "mha": _attention(4, 4)}}
     out["cp2-ac"] = _fit(2, cp=2, dp_shard=1, options={"activation_checkpointing": "full"})
     out["resumed_tp2"] = _resumed(root, {"cp": 2}, {"tp": 2})
+    out["resumed_cp2"] = _resumed(str(Path(root) / "from_tp2"), {"tp": 2}, {"cp": 2})
     return out
 
 
@@ -198,10 +199,12 @@ def test_cp2_matches_one_process(two_ranks: list, reference: dict) -> None:
     )
 
 
-def test_a_cp2_checkpoint_resumes_under_tp2(two_ranks: list, one_rank: dict) -> None:
+@pytest.mark.parametrize("resumed", ["resumed_tp2", "resumed_cp2"])
+def test_a_checkpoint_reshards_between_cp2_and_tp2(resumed: str, two_ranks: list, one_rank: dict) -> None:
+    """cp2 -> tp2 and tp2 -> cp2: the resumed step equals one process's."""
     assert one_rank["resumed"]["losses"][0] != one_rank["fit"]["losses"][0]  # the same batch, trained weights
     for rank in two_ranks:
-        _assert_same_run(rank["resumed_tp2"], one_rank["resumed"], steps=1)
+        _assert_same_run(rank[resumed], one_rank["resumed"], steps=1)
 
 
 @pytest.mark.parametrize("layout", ["cp2xtp2", "cp2xfsdp2"])

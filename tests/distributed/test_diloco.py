@@ -69,7 +69,8 @@ def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = No
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1))
     strategy_obj = MeshStrategy(**strategy)
-    trainer = quiet_trainer(strategy_obj, strategy_obj._degrees["dp_replicate"] * max(strategy.get("dp_shard", 1), 1),
+    devices = strategy_obj._degrees["dp_replicate"] * max(strategy.get("dp_shard", 1), 1) * strategy.get("tp", 1)
+    trainer = quiet_trainer(strategy_obj, devices,
                             max_steps=-1, callbacks=callbacks, max_epochs=epochs, default_root_dir=root,
                             enable_checkpointing=save)  # fmt: skip
     trainer.fit(Net(optimizer), _loader(), ckpt_path=ckpt)
@@ -110,9 +111,14 @@ def _two_ranks(root: str) -> dict[str, Any]:
 
 def _four_ranks(root: str) -> dict[str, Any]:
     layout = {"dp_replicate": 2, "dp_shard": 2}
+    tp = {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "plan": {"net.0": "colwise", "net.2": "rowwise"}}
     return {
         "hsdp": _fit(Path(root) / "hsdp", 2, **layout),
         "exact": _fit(Path(root) / "exact", 2, **layout, sync="diloco", **EXACT),
+        # tensor parallelism inside each replica: the pseudo-gradient of each rank's tp shard
+        "sync_tp": _fit(Path(root) / "sync_tp", 2, **tp),
+        "exact_tp": _fit(Path(root) / "exact_tp", 2, **tp, sync="diloco", **EXACT),
+        "h2_tp": _fit(Path(root) / "h2_tp", 2, **tp, sync="diloco", diloco_every=2),
     }
 
 
@@ -179,10 +185,15 @@ def test_resume_mid_cycle_continues_exactly(two_ranks: list[dict[str, Any]]) -> 
     assert not _same(two_ranks[0]["whole"]["params"][1], two_ranks[1]["whole"]["params"][1])
 
 
-def test_h1_equals_hsdp_on_four_ranks(tmp_path: Path) -> None:
+def test_h1_equals_hsdp_on_four_ranks_with_fsdp_or_tp_inside(tmp_path: Path) -> None:
     ranks = launch(_four_ranks, 4, str(tmp_path))
     for rank in ranks:
         _assert_close(rank["exact"], rank["hsdp"])
+        _assert_close(rank["exact_tp"], rank["sync_tp"])
+    # H=2 with tp inside: rank r and r+2 (the same tp shard, the other replica) equal after steps 2 and 4 only
+    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):
+        same = [_same(x, y) for x, y in zip(a["h2_tp"]["params"], b["h2_tp"]["params"])]
+        assert same == [False, True, False, True], same
 
 
 def test_telemetry_measures_the_outer_exchange_apart(two_ranks: list[dict[str, Any]]) -> None:
