@@ -14,7 +14,9 @@ warmup steps and cosine decay to 0.1x over the run) at the same global batch and
 ``val/loss`` is evaluated every 100 steps (a multiple of every H, so right after an outer step, when the replicas
 are equal) on rank 0's share of the whole validation set (the module logs it without ``sync_dist``): the same data
 for every run with the same number of replicas. Written to ``--out`` (default ``outputs/benchmarks/diloco_quality``):
-``results.json``, ``results.md`` (the table) and ``loss_vs_tokens.png``.
+``results.json``, ``results.md`` (the table) and the run report's comparison page ``compare.html`` (val/loss and
+train/loss against tokens seen, every run on the main corpus overlaid, the loss floor; ``compare_loss.png``);
+``--report-only`` writes the table and the page again from the saved runs without training.
 
 Results (2-core CPU VM shared with other jobs, torch 2.13.0+cpu, gloo, 500 steps = 2.05M tokens; val/loss on rank 0's
 share of the validation set; "replica bytes/step": ``diloco/bytes_per_step``, for sync the window's ``comm/dp/bytes``;
@@ -31,7 +33,7 @@ share of the validation set; "replica bytes/step": ``diloco/bytes_per_step``, fo
     | DiLoCo H=50       | 2 | 1.2122 | 1.1336 | 1.1100 | 1.1065 | 1.0912 | +0.0052 | +0.0146  |     10,511 |
     | DiLoCo H=50 seed7 | 2 | 1.2186 | 1.1578 | 1.1373 | 1.1281 | 1.1099 | +0.0035 | +0.0169  |     10,511 |
     | Stream. H=50 F=2  | 2 | 1.1724 | 1.1245 | 1.1017 | 1.0929 | 1.0855 | -0.0004 | +0.0089  |     10,511 |
-    | DiLoCo H=50 int8  | 2 | 1.2121 | 1.1336 | 1.1100 | 1.1065 | 1.0912 | +0.0052 | +0.0145  |      5,338 |
+    | DiLoCo H=50 int8  | 2 | 1.2122 | 1.1336 | 1.1101 | 1.1065 | 1.0912 | +0.0052 | +0.0146  |      5,346 |
     | sync (HSDP)       | 4 | 1.1853 | 1.1246 | 1.1049 | 1.0918 | 1.0859 | +0.0000 | +0.0093  |    525,576 |
     | DiLoCo H=20       | 4 | 1.1815 | 1.1184 | 1.0914 | 1.0843 | 1.0796 | -0.0063 | +0.0030  |     26,278 |
     | DiLoCo H=50       | 4 | 1.2133 | 1.1190 | 1.1109 | 1.1029 | 1.0838 | -0.0022 | +0.0071  |     10,511 |
@@ -41,9 +43,10 @@ share of the validation set; "replica bytes/step": ``diloco/bytes_per_step``, fo
 Reading: at the same 2.05M tokens DiLoCo H=20 ends 0.003-0.006 nats *below* the synchronous run (2 replicas: -0.0035
 and -0.0033 on two seeds; 4 replicas: -0.0063), H=50 within +0.005 (2 replicas: +0.0052 / +0.0035; 4 replicas:
 -0.0022), streaming (F=2, H=50) -0.0004 and int8 the same as fp32 to 4 decimals (+0.0052), at 1/20 and 1/50 of the
-replica-axis bytes (int8: 1/100). Early (0.4M tokens) H=50 lags by ~0.03. One or two seeds per row: the seed-to-seed
-spread of a gap was up to 0.002 (two seeds), so differences below that are noise. The sync rows at 2 and 4 replicas
-are bit-identical (same global batch and data order; observed, not investigated).
+replica-axis bytes (int8: 1/98; re-run 2026-11-25 after the exchange became an all-to-all of chunks). Early (0.4M
+tokens) H=50 lags by ~0.03. One or two seeds per row: the seed-to-seed spread of a gap was up to 0.002 (two seeds),
+so differences below that are noise. The sync rows at 2 and 4 replicas are bit-identical (same global batch and data
+order; observed, not investigated).
 """
 
 from __future__ import annotations
@@ -148,34 +151,24 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """val/loss vs tokens (left) and the train loss (20-step mean over ranks' replicas) vs tokens (right)."""
-    import matplotlib  # optional dependency: only the plot needs it
+def write_comparison(results: list[dict[str, Any]], out: Path) -> Path:
+    """The run report's comparison page (``compare.html``, ``compare_loss.png``) of the runs on the main corpus
+    (another seed is another corpus, another floor): each run folder's ``report.json`` with the val/loss read from its
+    CSV added to its history, labelled with the run's kind and replica count; sync at 2 replicas first (the gaps)."""
+    from lightning_dist.telemetry.report import render_comparison
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    results = [r for r in results if r.get("seed") is None]  # another seed is another corpus (another floor)
-    for r in results:
-        tokens = r["tokens_per_step"] / 1e6
-        style = "-" if r["replicas"] == 2 else "--"
-        steps = sorted(r["val"])
-        left.plot([s * tokens for s in steps], [r["val"][s] for s in steps], style, marker="o", label=r["name"])
-        window = 20
-        xs = [s * tokens for s, _ in r["train"]][window - 1 :]
-        losses = [loss for _, loss in r["train"]]
-        means = [sum(losses[i - window + 1 : i + 1]) / window for i in range(window - 1, len(losses))]
-        right.plot(xs, means, style, linewidth=1, label=r["name"])
-    for ax, title in ((left, "val/loss (right after an outer step)"), (right, "train/loss, 20-step mean")):
-        ax.axhline(results[0]["loss_floor"], color="grey", linestyle=":", label="floor")
-        ax.set(xlabel="tokens (M)", ylabel="loss (nats/token)", title=title)
-    left.set_ylim(results[0]["loss_floor"] - 0.02, min(2.0, max(max(r["val"].values()) for r in results) + 0.05))
-    right.set_ylim(results[0]["loss_floor"] - 0.02, 2.0)
-    left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    runs = []
+    for r in (r for r in results if r.get("seed") is None):
+        data = json.loads((out / r["name"] / "report.json").read_text())
+        by_step = {int(record["step"]): record for record in data["history"]}
+        for step, loss in r["val"].items():
+            by_step.setdefault(int(step), {"step": float(step)})["val/loss"] = loss
+        data["history"] = [by_step[s] for s in sorted(by_step)]
+        data["label"] = f"{r['label']}, {r['replicas']} replicas"
+        data.setdefault("tokens_per_step", r["tokens_per_step"])
+        runs.append(data)
+    title = "DiLoCo against synchronous training: loss vs tokens on the Markov corpus"
+    return render_comparison(out, runs, title)
 
 
 def main() -> None:
@@ -185,6 +178,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated run names (e.g. sync_2,h20_2); default all")
     parser.add_argument("--seed", type=int, default=None, help="another seed (model init, data order): the noise")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/diloco_quality"))
+    parser.add_argument("--report-only", action="store_true", help="no training: the table and page from --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
@@ -193,7 +187,7 @@ def main() -> None:
     for replicas in args.replicas:
         for kind in PER_REPLICAS[replicas]:
             name = f"{kind}_{replicas}" + (f"_seed{args.seed}" if args.seed is not None else "")
-            if only and name not in only:
+            if (only and name not in only) or args.report_only:
                 continue
             results[name] = run_one(kind, replicas, args.steps, args.out, args.seed)
             for r in results.values():  # JSON keys are strings: back to ints after a reload
@@ -206,8 +200,8 @@ def main() -> None:
         r["val"] = {int(k): v for k, v in r["val"].items()}
     markdown = table(ordered)
     (args.out / "results.md").write_text(markdown + "\n")
-    plot(ordered, args.out / "loss_vs_tokens.png")
     print(markdown)
+    print(write_comparison(ordered, args.out))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
     outer = {}
     if layout.diloco:  # per outer cycle: a step's median misses it (the per-step average is comm_bytes / H)
         cycle = sum(c.bytes for c in outer_collectives(cfg.model, layout, stage=0))
-        outer = {"DiLoCo bytes per outer cycle (H steps) on dp_replicate, rank 0": [cycle, None]}
+        key = "DiLoCo bytes per outer cycle (H steps) on dp_replicate, rank 0"
+        outer = {key: [cycle, measured_cycle(history, layout.options.diloco_fragments)]}
     return {
         **outer,
         "parameters + optimizer state GiB, largest rank": [
@@ -83,3 +84,11 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
         "communication calls per step, rank 0": [rank0 and {a: c["calls"] for a, c in rank0.items()},
                                                  measured_comm("calls")],
     }  # fmt: skip
+
+
+def measured_cycle(history: list[dict[str, Any]], fragments: int) -> int | None:
+    """The bytes of one DiLoCo cycle as the telemetry measured them: its last logged ``diloco/bytes_per_outer_step``
+    (the mean exchange since the fit started) times the ``fragments`` exchanged per cycle; None before any exchange
+    (or with one replica, which exchanges nothing)."""
+    exchanged = [r for r in history if r.get("diloco/outer_steps")]
+    return round(exchanged[-1]["diloco/bytes_per_outer_step"] * fragments) if exchanged else None

@@ -58,6 +58,8 @@ class RunResult:
     prediction: dict[str, list[Any]] | None = None
     #: The ``hardware`` config the prediction assumed.
     hardware: str | None = None
+    #: Tokens per optimizer step over all ranks (``data.global_batch_size x data.seq_len``): the report's tokens axis.
+    tokens_per_step: int | None = None
     #: The ``report.html`` path (``telemetry.report=true``).
     report: str | None = None
     #: The SLURM (or submitit local) job id of a submission; ``None`` otherwise, and on a dry run.

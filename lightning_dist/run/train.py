@@ -165,6 +165,7 @@ def _write_report(valid: ValidRun, result: RunResult) -> None:
     cfg, dims = valid.cfg, valid.dims
     result.ranks = _rank_rows(dims, result.rank_layouts)
     result.hardware = cfg.hardware.name
+    result.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     write_summary(Path(result.output_dir), result.to_dict())
     if cfg.telemetry.report:
         result.report = str(render(Path(result.output_dir)))

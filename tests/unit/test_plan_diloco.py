@@ -121,3 +121,19 @@ def test_the_hbm2e_profile_matches_its_yaml_and_stays_inside_the_stated_bounds()
     assert yaml.peak_tflops == H100_GRAND_TETON.peak_tflops
     assert 835 <= H100_GRAND_TETON.peak_tflops <= 989.4  # between the H100 NVL and SXM datasheet peaks
     assert (yaml.memory_gib, yaml.inter_node_gbps) == (H100_GRAND_TETON.memory_gib, H100_GRAND_TETON.inter_node_gbps)
+
+
+def test_the_report_measures_a_diloco_cycle_from_the_logged_mean_exchange(tmp_path) -> None:
+    """The planner's bytes per outer cycle has its measured side: the telemetry's mean exchange x the F fragments."""
+    from lightning_dist.config.validate import validate
+    from lightning_dist.plan.estimate_run import predicted_and_measured
+
+    cfg = compose_config(["parallelism=diloco", "parallelism.diloco.every=20", "parallelism.diloco.fragments=2",
+                          "cluster.devices=2"], tmp_path)  # fmt: skip
+    valid = validate(cfg)
+    key = "DiLoCo bytes per outer cycle (H steps) on dp_replicate, rank 0"
+    before = [{"step": 10.0, "diloco/outer_steps": 0.0, "diloco/bytes_per_outer_step": 0.0}]
+    predicted, measured = predicted_and_measured(valid.cfg, valid.dims, {"history": before})[key]
+    assert predicted > 0 and measured is None  # nothing exchanged yet
+    logged = [*before, {"step": 20.0, "diloco/outer_steps": 2.0, "diloco/bytes_per_outer_step": predicted / 2}]
+    assert predicted_and_measured(valid.cfg, valid.dims, {"history": logged})[key] == [predicted, predicted]
