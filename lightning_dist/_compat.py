@@ -293,6 +293,18 @@ def pipeline_outputs_only(schedule: Any) -> Iterator[None]:
         schedule._loss_fn = loss_fn
 
 
+def reshape_pipeline(schedule: Any) -> None:
+    """Make ``schedule`` infer its stages' activation shapes again at its next ``step`` / ``eval``.
+
+    torch 2.13 infers them (and sizes every receive buffer) on the first call only, and again only on a switch
+    between training and eval: a later batch of another shape would be received into the old buffers.
+    """
+    for prefix in ("_stage", "_stages"):  # single-stage / multi-stage schedules
+        if hasattr(schedule, f"{prefix}_forward_initialized"):
+            setattr(schedule, f"{prefix}_forward_initialized", False)
+            setattr(schedule, f"{prefix}_backward_initialized", False)
+
+
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 

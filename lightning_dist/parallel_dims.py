@@ -81,11 +81,6 @@ class ParallelDims:
             raise ValueError(f"world_size={self.world_size} must be >= 1; set cluster.devices (and num_nodes) >= 1.")
         if self.cp < 1:
             raise ValueError(f"cp={self.cp} must be >= 1; use cp=1 to turn context parallelism off.")
-        if self.cp > 1 and self.pp > 1:
-            raise ValueError(
-                f"cp={self.cp} with pp={self.pp}: context parallelism does not run under a pipeline yet; "
-                "set cp=1 or pp=1."
-            )
         if self.pp < 1:
             raise ValueError(f"pp={self.pp} must be >= 1; use pp=1 to turn pp off.")
         for name in _FILLABLE:

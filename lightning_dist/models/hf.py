@@ -155,18 +155,21 @@ def causal_lm_loss(logits: Tensor, targets: Tensor, scale: Tensor | None = None)
     return token_loss(logits, targets, scale)
 
 
-def causal_lm_stage_forward(self: nn.Module, hidden: Tensor) -> Tensor:
+def causal_lm_stage_forward(self: nn.Module, hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
     """Forward of one pipeline stage of a Llama-style causal LM (``self`` is the stage's view of the model).
 
     Runs the embedding only where the stage holds it, then its decoder layers with the rotary tables and the causal
     mask made from the local sequence (every stage keeps ``rotary_emb``: buffers only), then norm and head where held.
+    ``position_ids`` (1, T): the tokens' positions, ``arange(T)`` when not given (context parallelism passes this
+    rank's global ones).
     """
     from transformers.masking_utils import create_causal_mask
 
     inner = self.model
     if inner.embed_tokens is not None:
         hidden = inner.embed_tokens(hidden)
-    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     mask = create_causal_mask(
         config=inner.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
     )

@@ -13,6 +13,7 @@ drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_dist._compat import module_children, shallow_clone
+from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.schedules import SCHEDULES, V_SCHEDULES
 
 # Re-exported (pipeline.check_microbatches, .resolve_schedule: their first home); the schedules' names and rules are
@@ -213,6 +215,30 @@ def stage_view(model: nn.Module, spec: PipelineSpec, keys: Sequence[str], first:
     if spec.stage_forward is not None:
         view.forward = types.MethodType(spec.stage_forward, view)  # on this view only; nn.Module calls self.forward
     return view
+
+
+def stage_cp_spec(module: nn.Module, cp_spec: ContextParallelSpec, model_attr: str) -> ContextParallelSpec:
+    """``cp_spec`` (names relative to ``module``) for a stage view of ``module.<model_attr>``: its names relative to
+    the model, its ``prepare`` run once here on the whole module (stage views share the prepared submodules)."""
+    prefix = f"{model_attr}."
+
+    def relative(name: str) -> str:
+        if name != model_attr and not name.startswith(prefix):
+            raise ValueError(
+                f"context_parallel_spec() names {name!r}, outside the pipelined model {model_attr!r}: under pp a "
+                f"stage holds only part of {model_attr}; name modules inside it, or set cp=1."
+            )
+        return name.removeprefix(model_attr).removeprefix(".")
+
+    if cp_spec.prepare is not None:
+        cp_spec.prepare(module)
+    return dataclasses.replace(
+        cp_spec,
+        attention=tuple(relative(pattern) for pattern in cp_spec.attention),
+        positions=None if cp_spec.positions is None else relative(cp_spec.positions),
+        position_ids=None if cp_spec.position_ids is None else relative(cp_spec.position_ids),
+        prepare=None,
+    )
 
 
 def share_buffers(view: nn.Module, model: nn.Module) -> None:

@@ -37,7 +37,7 @@ def layouts(
     - pp divides the world and the layers (at most ``plan.max_pp``); tp divides the devices of a node and the
       query and key / value heads (tp stays inside a node);
     - with ``context_parallel`` (a model the cp implementation takes: the built-in GPT, arch=llama), cp divides the
-      ranks left by tp, without pp (not supported together yet), where ``seq_len`` splits into ``2 x cp`` chunks;
+      ranks left by pp and tp, where ``seq_len`` splits into ``2 x cp`` chunks;
     - the data-parallel ranks: FSDP2 over all of them, HSDP (shard inside a node, replicate across), or replicas
       only;
     - micro batches from ``plan.micro_batches`` that divide the per-rank batch; under pp every schedule (GPipe,
@@ -68,7 +68,7 @@ def layouts(
 
 def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, enabled: bool) -> list[int]:
     """cp degrees searched: divisors of ``ranks`` whose ``2 x cp`` chunks split the sequence (1 alone without cp)."""
-    if not enabled or pp > 1 or seq_len is None or cfg.arch != "llama":
+    if not enabled or seq_len is None or cfg.arch != "llama":
         return [1]
     return [cp for cp in _divisors(ranks) if seq_len % (2 * cp) == 0 or cp == 1]
 

@@ -42,6 +42,7 @@ from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
 from lightning_dist.strategies.metrics import DataParallelMetricsMixin
 from lightning_dist.strategies.outer_sync import DiLoCoMixin
+from lightning_dist.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_dist.strategies.stages import PipelineStages
 
 
@@ -51,7 +52,8 @@ class MeshStrategy(
     GuardedStrategyMixin,
     LoaderOrderMixin,
     _compat.BeforeLaunchHook,
-    ContextParallelMixin,  # last before Lightning's: the step hooks above call it with the whole batch
+    ContextParallelMixin,  # the step hooks above call it with the whole batch
+    PipelineStepsMixin,  # under pp, the module's steps on the pipeline's view, with this cp rank's batch
     ModelParallelStrategy,
 ):
     """Data, tensor, context and pipeline parallelism on one device mesh, with Lightning's loops, loggers, checkpoints.
@@ -229,7 +231,7 @@ class MeshStrategy(
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
                 module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=param_dtype,
-                materialize=materialize,
+                cp_spec=declared_cp_spec(module, dims.cp), materialize=materialize,
             )  # fmt: skip
             self._layout = self._pipeline.layout
             return
@@ -306,34 +308,18 @@ class MeshStrategy(
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context():
-            if self._pipeline is None:
-                return super().training_step(*args, **kwargs)
-            with self.precision_plugin.train_step_context():
-                return self._pipeline.routed.training_step(*args, **kwargs)
+        with self.loss_context():  # then the cp split, then the pipeline (the bases' order)
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
-            if self._pipeline is None:
-                return super().validation_step(*args, **kwargs)
-            with self.precision_plugin.val_step_context():
-                return self._pipeline.routed.validation_step(*args, **kwargs)
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
-            if self._pipeline is None:
-                return super().test_step(*args, **kwargs)
-            with self.precision_plugin.test_step_context():
-                return self._pipeline.routed.test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():  # calling the model runs the pipeline (stages.py)
-            return self._pipeline.routed.predict_step(*args, **kwargs)
+            return super().test_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

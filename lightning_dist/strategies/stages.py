@@ -33,6 +33,7 @@ from lightning_dist.contract import module_hook
 from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
+from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
@@ -73,6 +74,7 @@ class PipelineStages:
         self.norm_exclude: set[int] = set()  # ids of tied copies the gradient norm must not count again
         self._stepped = False  # the schedule ran in this training step (and backward has not taken its gradients)
         self._output_meta: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # inputs' shapes -> outputs' shape
+        self._shapes: tuple | None = None  # the batch shapes the schedule's stages were last set up for
 
     @classmethod
     def build(
@@ -85,6 +87,7 @@ class PipelineStages:
         *,
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
+        cp_spec: ContextParallelSpec | None = None,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -93,7 +96,8 @@ class PipelineStages:
         stages (``materialize=False`` leaves it there: a traced rank).
 
         Stages talk over the ``pp`` axis's group only: with data parallelism beside the pipeline, the world group
-        would send activations to a data-parallel peer.
+        would send activations to a data-parallel peer. Under cp each stage's attention and positions are made
+        context-parallel like a whole model's (``cp_spec``, its names taken relative to the split model).
         """
         schedule, stages_per_rank = options.schedule, options.stages_per_rank
         microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
@@ -109,6 +113,8 @@ class PipelineStages:
             expand_plan(module, tp_plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
             prefix = f"{spec.model_attr}."
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
+        if cp_spec is not None:
+            cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
         stage_of = tied.stage_of_name(spec, keys, groups)
         stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
         if stage_ties and dims.tp_enabled:
@@ -134,6 +140,7 @@ class PipelineStages:
                 options,
                 # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
                 tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
+                cp_spec=cp_spec,
                 fsdp_units=list(module_children(spec.blocks(view)).values()),
                 fsdp_roots=[view],
                 param_dtype=param_dtype,
@@ -198,6 +205,7 @@ class PipelineStages:
             kwargs["loss_kwargs"] = pipeline.check_loss_kwargs(self.schedule, loss_kwargs)
         losses: list[Tensor] | None = [] if self._owns_last else None
         kwargs["losses"] = losses
+        self._match_shapes(*args, targets)
         if self.module.training and torch.is_grad_enabled():
             params = [p for p in self.module.parameters() if p.requires_grad]
             earlier = [p.grad for p in params]  # earlier micro steps' gradients (accumulating): put back below
@@ -245,6 +253,7 @@ class PipelineStages:
         pipeline.check_microbatches(
             self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=tensors[0].shape[0]
         )
+        self._match_shapes(*tensors)
         with _compat.pipeline_outputs_only(self.schedule), self._stage_contract():
             outputs = self.schedule.eval(*(args if self._owns_first else ()), **(kwargs if self._owns_first else {}))
         if outputs is not None:
@@ -263,6 +272,15 @@ class PipelineStages:
             outputs = torch.empty(shape, dtype=dtype, device=self._device)
         dist.broadcast(outputs, group=self._pp_group, group_src=self._loss_src)
         return outputs
+
+    def _match_shapes(self, *tensors: Any) -> None:
+        """Have the stages size their buffers again when this batch's shapes differ from the last one's (a smaller
+        last batch, another predict batch size, a cp rank's part): the same on every pipeline rank, which all see the
+        batch."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, Tensor))
+        if self._shapes is not None and shapes != self._shapes:
+            _compat.reshape_pipeline(self.schedule)
+        self._shapes = shapes
 
     def _check_eval(self) -> None:
         if self.schedule_name in pipeline.V_SCHEDULES:

@@ -1,5 +1,5 @@
 """Context parallelism on CPU (gloo): the all-gather attention equals causal attention over the whole sequence, and
-cp2, cp2 x tp2 and cp2 x FSDP2 train the GPT exactly as one process does. One spawned group of each size (1, 2, 4)
+cp2, cp2 x tp2, cp2 x FSDP2 and pp2 x cp2 train the GPT exactly as one process does. One spawned group of each size (1, 2, 4)
 runs every case of that size."""
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def _two_ranks(root: str) -> dict[str, Any]:
 
 def _four_ranks() -> dict[str, Any]:
     out = {"cp2xtp2": _fit(4, cp=2, tp=2, dp_shard=1), "cp2xfsdp2": _fit(4, cp=2, dp_shard=2)}
+    out["pp2xcp2"] = _fit(4, pp=2, cp=2, dp_shard=1)  # each stage's blocks attend across the cp ranks of its stage
     return {**out, "attention": _attention(4, 1)}
 
 
@@ -171,11 +172,12 @@ def _assert_same_run(run: dict[str, Any], reference: dict[str, Any], steps: int 
     np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5)
     np.testing.assert_allclose(run["norms"], reference["norms"], rtol=1e-5)
     for step, (got, want) in enumerate(zip(run["grads"], reference["grads"], strict=True)):
-        for name in want:
+        assert got.keys() <= want.keys() and got  # under pp: this rank's stage's parameters
+        for name in got:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=f"step {step} {name}")
     # AdamW turns a near-zero gradient's rounding into up to a fraction of a step (lr=1e-3): a looser atol
-    for name, want in reference["params"].items():
-        np.testing.assert_allclose(run["params"][name], want, rtol=1e-5, atol=1e-5, err_msg=name)
+    for name, got in run["params"].items():
+        np.testing.assert_allclose(got, reference["params"][name], rtol=1e-5, atol=1e-5, err_msg=name)
     np.testing.assert_allclose(run["val_loss"], reference["val_loss"], rtol=1e-5)
     if "predicted" in run:  # gathered back to the whole sequence (B, T, V) from each cp rank's part
         np.testing.assert_allclose(run["predicted"], reference["predicted"], rtol=1e-5, atol=1e-6)
@@ -207,10 +209,12 @@ def test_a_checkpoint_reshards_between_cp2_and_tp2(resumed: str, two_ranks: list
         _assert_same_run(rank[resumed], one_rank["resumed"], steps=1)
 
 
-@pytest.mark.parametrize("layout", ["cp2xtp2", "cp2xfsdp2"])
-def test_cp2_with_tp_or_fsdp_matches_one_process(layout: str, four_ranks: list, reference: dict) -> None:
+@pytest.mark.parametrize("layout", ["cp2xtp2", "cp2xfsdp2", "pp2xcp2"])
+def test_cp2_with_tp_fsdp_or_pp_matches_one_process(layout: str, four_ranks: list, reference: dict) -> None:
     for rank in four_ranks:
         _assert_same_run(rank[layout], reference)
+    held = set().union(*(rank[layout]["params"] for rank in four_ranks))
+    assert held == reference["params"].keys()  # every parameter checked on some rank (pp: each stage's own)
 
 
 def test_head_tail_round_trip_and_balance() -> None:
@@ -235,5 +239,4 @@ def test_cp_mesh_and_rules() -> None:
     with pytest.raises(ValueError, match=r"^data.seq_len=60 is not divisible by 2 x cp = 8 .* use data.seq_len=56"):
         ParallelDims(world_size=4, cp=4).check_seq_len(60)
     ParallelDims(world_size=4, cp=4).check_seq_len(64)
-    with pytest.raises(ValueError, match=r"cp=2 with pp=2: .* set cp=1 or pp=1"):
-        ParallelDims(world_size=4, cp=2, pp=2)
+    assert ParallelDims(world_size=4, cp=2, pp=2).fsdp_mesh_axes == ("dp_shard_cp",)  # a stage's cp ranks shard it

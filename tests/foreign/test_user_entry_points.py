@@ -124,7 +124,7 @@ def _every_entry_point(make_strategy: Any, devices: int, dp: int, root: str) -> 
     out["resumed_best"], out["wait_count"] = float(checkpoint.best_model_score), stopping.wait_count
     out["validate"] = _metrics(trainer.validate(module, _loader(1, batch))[0])
     out["test"] = _metrics(trainer.test(module, _loader(2, batch))[0])
-    predictions = trainer.predict(module, _loader(3, batch))
+    predictions = trainer.predict(module, _loader(3, batch // 2))  # not fit's batch: pp stages size buffers again
     out["predict"] = {int(i): row.tolist() for index, probs in predictions for i, row in zip(index, probs)}
     # The strategy gave the metrics its dp group only while it ran: the module is the user's again afterwards.
     metrics = [m for m in module.modules() if isinstance(m, Metric)]

@@ -55,7 +55,6 @@ def test_data_parallel_rank_is_shared_by_tp_and_pp_peers() -> None:
         ({"world_size": 4, "pp": -2}, r"pp=-2 must be >= 1"),
         ({"world_size": 4, "dp_shard": 0}, r"dp_shard=0 must be >= 1, or -1"),
         ({"world_size": 4, "cp": 0}, r"cp=0 must be >= 1"),
-        ({"world_size": 4, "cp": 2, "pp": 2}, r"cp=2 with pp=2: context parallelism does not run under a pipeline"),
         ({"world_size": 4, "cp": 2, "tp": 4}, r"dp_shard=1 x cp=2 x tp=4 x pp=1 = 8, but world_size=4|multiply to 8"),
         ({"world_size": 0}, r"world_size=0 must be >= 1"),
     ],
