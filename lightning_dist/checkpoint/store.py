@@ -4,7 +4,9 @@ Parameter names are always the full model's (pipeline splitting keeps them), and
 flattened, one key per parameter (``state.layers.0.w.exp_avg``, ``param_groups.layers.0.w.lr``). Lightning's nested
 form has one ``param_groups`` entry per optimizer, which DCP keeps from a single rank; pipeline ranks hold different
 parameters, so the others would lose their groups on load (torchtitan flattens too). So every rank saves and loads
-exactly its own keys.
+exactly its own keys. DCP keeps one copy of a tensor several ranks hold alike (same key, same shard); ranks whose
+values differ (DiLoCo's replicas between outer steps) save theirs under a key of their own (:func:`load_sharded`'s
+``under``), resharded as any other.
 """
 
 from __future__ import annotations
@@ -37,74 +39,61 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def load_sharded(
-    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, weights_only: bool | None
-) -> dict[str, Any]:
+    path: Path,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    under: str = "",
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Load the sharded checkpoint folder ``path`` into ``model`` and ``optimizers`` in place, under any layout.
 
     Every rank asks DCP for exactly the keys its model and optimizers hold (plain tensors of a pipeline stage and
     DTensors of TP / FSDP2 alike), so a rank's stages and shards are filled from whatever layout wrote the files.
-
-    Returns:
-        The rest of Lightning's checkpoint (loops, callbacks, LR schedulers, ...), for Lightning to restore.
+    ``under``: the key they were saved under (:func:`save`; ``""``: the top level, as every run saves them);
+    ``extra``: more tensors to fill in place from the same read (laid out as they were given to :func:`save`).
     """
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_STATE_LOAD)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load({under: state, **(extra or {})} if under else {**state, **(extra or {})}, checkpoint_id=path)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for idx, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{idx}"], options=_OPTIM_STATE_LOAD)
+
+
+def read_rest(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """The rest of Lightning's checkpoint in the folder ``path`` (loops, callbacks, LR schedulers, ...)."""
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
 
-def save_async(checkpoint: dict[str, Any], path: Path, group: Any, global_rank: int) -> Any:
-    """Start writing Lightning's ``checkpoint`` to the folder ``path`` in the background; return the write's future.
-
-    Lightning's sharded layout (the ``state_dict`` / ``optimizer_<i>`` entries through DCP, the rest in one file from
-    rank 0). DCP copies the state to host memory before this returns, so training may change the weights at once.
-    The background thread's collectives run on ``group``, a gloo group of their own, never beside the training's
-    on one group. The folder is complete when rank 0's future is done (DCP writes ``.metadata`` after every rank's
-    data).
-    """
-    path.mkdir(parents=True, exist_ok=True)
+def sharded_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What of Lightning's ``checkpoint`` DCP writes (taken out of it): ``state_dict`` and each ``optimizer_<i>``."""
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    future = dcp.async_save(state, checkpoint_id=path, process_group=group)
-    if global_rank == 0:
-        torch.save(checkpoint, path / _compat.checkpoint_metadata_file())
-    return future
+    return state
 
 
-# ------------------------------------------------------------------------------------------ per-rank state
-REPLICA_FILE = "replica-rank{rank:05d}.pt"  #: a rank's own state DCP would deduplicate (DiLoCo's replicas differ)
+def save(state: dict[str, Any], rest: dict[str, Any], path: Path, global_rank: int, group: Any = None) -> Any:
+    """Write ``state`` (:func:`sharded_state`, and any keys of this rank's own) through DCP to the folder ``path``
+    and Lightning's ``rest`` into one file from rank 0: Lightning's sharded layout. Returns ``None``, or with a
+    ``group`` the background write's future.
 
-
-def save_rank_state(path: Path, rank: int, state: dict[str, Any]) -> None:
-    """Write ``rank``'s own ``state`` into the checkpoint folder ``path``, beside DCP's files.
-
-    Called before DCP's save starts: DCP writes ``.metadata`` after every rank's data, so a folder that is whole
-    (:func:`damage`) holds every rank's file too.
+    With ``group``, a gloo group of its own (its collectives never run beside the training's on one group), DCP copies
+    the state to host memory before this returns, so training may change the weights at once; the folder is complete
+    when rank 0's future is done (DCP writes ``.metadata`` after every rank's data).
     """
+    if path.is_file():
+        path.unlink()
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path / REPLICA_FILE.format(rank=rank))
-
-
-def load_rank_state(path: Path, rank: int) -> dict[str, Any] | None:
-    """``rank``'s state from :func:`save_rank_state`; ``None`` when the folder holds no rank's (another kind of run).
-
-    Raises:
-        ValueError: Other ranks' files are there but not this rank's (a checkpoint of more or other ranks).
-    """
-    own = path / REPLICA_FILE.format(rank=rank)
-    if own.is_file():
-        return torch.load(own, map_location="cpu", weights_only=True)
-    saved = sorted(path.glob(REPLICA_FILE.replace("{rank:05d}", "*")))
-    if saved:
-        raise ValueError(
-            f"checkpoint {path} holds per-rank state of {len(saved)} ranks but not of rank {rank}; it does not "
-            "reshard: resume with the layout and world size that saved it."
-        )
-    return None
+    future = None
+    if group is None:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        future = dcp.async_save(state, checkpoint_id=path, process_group=group)
+    if global_rank == 0:
+        torch.save(rest, path / _compat.checkpoint_metadata_file())
+    return future
 
 
 # ------------------------------------------------------------------------------------------ during the run

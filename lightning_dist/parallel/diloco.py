@@ -17,7 +17,8 @@ an all-gather of compressed chunks: :mod:`lightning_dist.parallel.compression`, 
 each exchange, in the telemetry's sizes, are :attr:`DiLoCo.bytes_last_sync`.
 
 This module knows no Lightning: :class:`~lightning_dist.strategies.mesh.MeshStrategy` calls
-:meth:`DiLoCo.after_inner_step` after each applied inner optimizer step and saves :meth:`DiLoCo.state_dict` per rank.
+:meth:`DiLoCo.after_inner_step` after each applied inner optimizer step and saves :meth:`DiLoCo.state_dict` (laid out
+like the parameters, so it reshards) through DCP beside each replica's parameters.
 """
 
 from __future__ import annotations
@@ -254,50 +255,108 @@ class DiLoCo:
             exchange.mean.result()
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def replicas_equal(self) -> bool:
+        """Whether every replica holds the same parameters now: before the first inner step, or right after an outer
+        step was applied to the whole model (one fragment, alpha = 0, nothing in flight)."""
+        if self.step == 0:
+            return True
+        applied = self.step >= self.every and (self.step - self.delay) % self.every == 0
+        return len(self.fragments) == 1 and self.alpha == 0 and applied and not self._in_flight
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: backup shards, outer SGD state, position in the cycle, byte counts, its own parameter
-        shards (replicas differ between outer steps; a model checkpoint keeps one replica's) and each exchange in
-        flight, waited for first (:meth:`finish_in_flight`) and kept with its due step, so a resume applies it when
-        an uninterrupted run would have."""
+        """The outer state, each tensor laid out like its parameter (a DTensor of the same mesh and placements around
+        this rank's shard in host memory), so that DCP reshards it to any inner layout: ``backup``, ``momentum``
+        (outer SGD's, when it has any), ``average`` (each exchange in flight, waited for first and split by
+        parameter), ``fragment`` (each parameter's, when F > 1), and ``step`` and ``in_flight`` (fragment -> the
+        inner step it is applied at, as an uninterrupted run would). Backup, momentum and averages are the same on
+        every replica; the parameters and inner optimizer state, which differ, are the strategy's to save."""
         self.finish_in_flight()
-        return {
-            "step": self.step,
-            "backup": {name: t.clone() for name, t in self.backup.items()},
-            "outer": self.outer.state_dict(),
-            "replica": {name: _local(p).detach().to("cpu", copy=True) for name, p in self._params.items()},
-            "in_flight": {f: {"due": e.due, "average": e.mean.result().cpu()} for f, e in self._in_flight.items()},
-            "bytes_last_sync": self.bytes_last_sync,
-            "bytes_total": self.bytes_total,
-        }
+        averages = {f: exchange.mean.result().cpu() for f, exchange in self._in_flight.items()}
+        state = self._tensors(averages, momentum=self.momentum is not None, copy=True)
+        return {"step": self.step, "in_flight": {f: e.due for f, e in self._in_flight.items()}, **state}
+
+    def empty_state(self, in_flight: Sequence[int], momentum: bool) -> dict[str, Any]:
+        """Tensors laid out as :meth:`state_dict`'s, for DCP to load a saved state into (``in_flight``: the saved
+        fragments in flight; ``momentum``: whether it has outer momentum)."""
+        empty = {f: torch.empty(sum(self.backup[n].numel() for n in self.fragments[f])) for f in in_flight}
+        return self._tensors(empty, momentum=momentum and self.momentum is not None, copy=False)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output into this rank (same layout and fragments), parameters included.
+        """Restore :meth:`state_dict`'s output (loaded into :meth:`empty_state`'s tensors, from any inner layout).
+        Without ``momentum`` the outer momentum starts at zero. The byte counts become those this layout would have
+        sent up to the saved step.
 
         Raises:
-            ValueError: The saved shards have other names or shapes (another layout: DiLoCo state does not reshard).
+            ValueError: A parameter was in another fragment when saved (another pp split with F > 1).
         """
-        shapes = {name: tuple(t.shape) for name, t in state["backup"].items()}
-        mine = {name: tuple(t.shape) for name, t in self.backup.items()}
-        if shapes != mine:
-            wrong = sorted(n for n in set(shapes) | set(mine) if shapes.get(n) != mine.get(n))
-            raise ValueError(
-                f"DiLoCo state holds other shards than this rank ({', '.join(wrong[:3])}); it does not reshard: "
-                "resume with the layout that saved it."
-            )
+        for name, saved in state.get("fragment", {}).items():
+            mine = next(f for f, names in enumerate(self.fragments) if name in names)
+            if int(_local(saved)[0]) != mine:
+                raise ValueError(
+                    f"the checkpoint's DiLoCo state has {name} in fragment {int(_local(saved)[0])} and this layout in "
+                    f"fragment {mine} (pipeline stages split the fragments); resume with the pp degree and stages "
+                    "that saved it, or diloco_fragments=1."
+                )
         self.step = int(state["step"])
-        self.bytes_last_sync, self.bytes_total = int(state["bytes_last_sync"]), int(state["bytes_total"])
         with torch.no_grad():
             for name, tensor in state["backup"].items():
-                self.backup[name].copy_(tensor)
-            for name, tensor in state["replica"].items():
-                _local(self._params[name]).copy_(tensor)
-        self.outer.load_state_dict(state["outer"])
-        self._in_flight = {  # each finished before the save: its mean restored as the result
-            int(f): _Exchange(int(e["due"]), Mean(e["average"].numel(), self.compression, None, e["average"]))
-            for f, e in state["in_flight"].items()
-        }
-        for exchange in self._in_flight.values():
-            exchange.mean.value = exchange.mean.buffer
+                self.backup[name].copy_(_local(tensor))
+            for name, buffer in (self.momentum or {}).items():
+                if "momentum" in state:
+                    buffer.copy_(_local(state["momentum"][name]))
+                else:
+                    buffer.zero_()
+        self._in_flight = {}
+        for f, due in state["in_flight"].items():  # each finished before the save: its mean restored as the result
+            flat = torch.cat([_local(state["average"][name]).reshape(-1) for name in self.fragments[int(f)]])
+            self._in_flight[int(f)] = _Exchange(int(due), Mean(flat.numel(), self.compression, None, flat, value=flat))
+        self._recount()
+
+    @property
+    def momentum(self) -> dict[str, Tensor] | None:
+        """The outer SGD's momentum buffer per parameter name (host, sharded as the backup); ``None`` without."""
+        if not self.outer.state:
+            return None
+        return {name: self.outer.state[backup]["momentum_buffer"] for name, backup in self.backup.items()}
+
+    def _tensors(self, averages: dict[int, Tensor], momentum: bool, copy: bool) -> dict[str, Any]:
+        def like(name: str, local: Tensor) -> Tensor:
+            return _like(self._params[name], local, copy)
+
+        state: dict[str, Any] = {"backup": {name: like(name, t) for name, t in self.backup.items()}}
+        if momentum:
+            state["momentum"] = {name: like(name, t) for name, t in (self.momentum or {}).items()}
+        state["average"] = {}
+        for f, flat in averages.items():
+            start = 0
+            for name in self.fragments[f]:
+                shape = self.backup[name].shape
+                state["average"][name] = like(name, flat[start : start + shape.numel()].view(shape))
+                start += shape.numel()
+        if len(self.fragments) > 1:
+            state["fragment"] = {n: torch.tensor([f]) for f, names in enumerate(self.fragments) for n in names}
+        return state
+
+    def _exchange_bytes(self, f: int) -> int:
+        """The bytes this rank sends in one exchange of fragment ``f`` (none without a group)."""
+        if self.group is None:
+            return 0
+        numel = sum(self.backup[name].numel() for name in self.fragments[f])
+        return sum(size for _, size in exchange_sizes(numel, self.compression, self.num_replicas))
+
+    def _recount(self) -> None:
+        """The byte counts of every exchange started up to :attr:`step` (fragment f starts at offset_f + k H)."""
+        self.bytes_total = self.bytes_last_sync = 0
+        latest = 0
+        for f, offset in enumerate(self.offsets):
+            first = offset or self.every  # offset 0: the first exchange is after inner step H
+            if self.step < first:
+                continue
+            starts = (self.step - first) // self.every + 1
+            self.bytes_total += starts * self._exchange_bytes(f)
+            if first + (starts - 1) * self.every > latest:
+                latest, self.bytes_last_sync = first + (starts - 1) * self.every, self._exchange_bytes(f)
 
     def reset(self) -> None:
         """Start a fresh cycle from the current parameters (after loading weights without DiLoCo state)."""
@@ -317,3 +376,15 @@ class DiLoCo:
 def _local(tensor: Tensor) -> Tensor:
     """A DTensor's local shard (shares its storage), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _like(param: Tensor, local: Tensor, copy: bool) -> Tensor:
+    """A tensor laid out like ``param`` holding ``local`` (its shard's shape, in host memory): a DTensor of ``param``'s
+    mesh and placements whose shard stays on the host (not moved to the mesh's device), filled with ``local`` when
+    ``copy``; for a plain parameter ``local`` itself, or its copy."""
+    if not hasattr(param, "to_local"):
+        return local.clone() if copy else local
+    out = torch.empty_like(param, device=local.device, dtype=local.dtype)  # a DTensor: param's spec, a host shard
+    if copy:
+        out.to_local().copy_(local)
+    return out

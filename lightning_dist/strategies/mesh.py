@@ -250,13 +250,15 @@ class MeshStrategy(
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.save_replica_state(filepath)  # DiLoCo: each rank's own state, before DCP's (see outer_sync.py)
+        path = Path(self.broadcast(filepath))
+        # Lightning's sharded layout; under DiLoCo each replica's own keys and the outer state (see outer_sync.py)
+        state = self.with_replica_state(checkpoint_io.sharded_state(checkpoint), checkpoint)
         if not self.options.async_save:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            checkpoint_io.save(state, checkpoint, path, self.global_rank)
+            return
         if self._checkpoint_group is None:  # the background writes' collectives: a gloo group of their own
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
-        path = Path(self.broadcast(filepath))
-        self.pending_save = checkpoint_io.save_async(checkpoint, path, self._checkpoint_group, self.global_rank)
+        self.pending_save = checkpoint_io.save(state, checkpoint, path, self.global_rank, self._checkpoint_group)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -278,9 +280,7 @@ class MeshStrategy(
             full.check_module_fits(path, full.shapes_of(checkpoint, path), self._names, strict)
             return checkpoint
         full.check_module_fits(path, full.checkpoint_shapes(path), self._names, strict)
-        rest = checkpoint_io.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
-        self.load_replica_state(path)
-        return rest
+        return self.load_sharded_checkpoint(path, strict, weights_only)  # under DiLoCo, each replica's (outer_sync.py)
 
     @property
     @override

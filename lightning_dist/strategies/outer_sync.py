@@ -2,13 +2,18 @@
 
 ``sync="diloco"`` (:class:`~lightning_dist.parallel.options.ParallelOptions`) lays the model out without gradient
 synchronization over ``dp_replicate`` (:func:`~lightning_dist.parallel.compose.data_parallel_axes`) and runs
-:class:`~lightning_dist.parallel.diloco.DiLoCo` here. Replicas hold different parameters and inner optimizer states
-between outer steps, and DCP keeps one copy of what looks replicated, so each rank also writes its own file into the
-sharded checkpoint folder (:func:`lightning_dist.checkpoint.store.save_rank_state`): its DiLoCo state (backup, outer
-momentum, position in the cycle, exchanges in flight, its parameter shards) and its inner optimizer state. A resume
-restores them after DCP's load; it needs the layout and world size that saved them (no resharding: one line says
-so). The model weights DCP holds are one replica's; a single-file checkpoint has no DiLoCo state, so loading one (or a
-sharded checkpoint of a run without DiLoCo) starts a fresh outer cycle from its weights.
+:class:`~lightning_dist.parallel.diloco.DiLoCo` here.
+
+Checkpoints go through the same DCP save and load as every run's (:mod:`lightning_dist.checkpoint.store`), so they
+reshard. Replicas hold different parameters and inner optimizer states between outer steps, and DCP keeps one copy of
+what looks the same on several ranks (same key, same shard), so replica ``r >= 1`` saves its ``state_dict`` and
+``optimizer_<i>`` under the key ``replica<r>``; replica 0's are at the top, where any run keeps them (a resume without
+DiLoCo, an export, takes replica 0's). The outer state, the same on every replica, is saved once under ``diloco``
+(backup, outer momentum, exchanges in flight), each tensor laid out like its parameter on the replica's inner mesh
+(``dp_shard x cp x tp``, pipeline stages), and the position in the H cycle goes into Lightning's own file. So any
+inner layout with the same ``dp_replicate`` resumes a checkpoint, mid-cycle too. Another ``dp_replicate`` resumes
+one only where the replicas are equal (right after an outer step, nothing in flight): every replica then loads replica
+0's. A checkpoint without DiLoCo state (a single file, a run without DiLoCo) starts a fresh outer cycle.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dist.checkpoint import store
+from lightning_dist.checkpoint import full, store
 from lightning_dist.contract import declared_blocks
 from lightning_dist.parallel.diloco import DiLoCo, describe
 from lightning_dist.parallel.layout import RankLayout
@@ -72,7 +77,8 @@ class DiLoCoMixin:
                 f"sync=diloco counts one inner optimizer step per training step but configure_optimizers returned "
                 f"{len(self.optimizers)} optimizers; use one optimizer or sync=every_step."
             )
-        params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        # named as in a checkpoint (no wrapper parts): the outer state is saved by name and read back in any layout
+        params = [(_fqn(name), p) for name, p in self.model.named_parameters() if p.requires_grad]
         synced = [name for name, p in params if _REPLICA_AXES & set(_mesh_axes(p))]
         if synced:  # laid out by hand in configure_model over a mesh that averages the replicas every step
             raise ValueError(
@@ -82,7 +88,7 @@ class DiLoCoMixin:
         blocks: list[str] = []
         if not self.parallel_dims.pp_enabled:  # a pipeline rank holds some blocks only: split by size there
             names = {id(module): name for name, module in self.model.named_modules()}
-            blocks = [names[id(b)] for b in declared_blocks(self.lightning_module) if id(b) in names]
+            blocks = [_fqn(f"{names[id(b)]}.")[:-1] for b in declared_blocks(self.lightning_module) if id(b) in names]
         self._diloco = DiLoCo.build(params, self.parallel_dims.group("dp_replicate"), self.options, blocks)
 
     def with_outer_step(self, apply: Callable[[], Any]) -> Callable[[], Any]:
@@ -102,39 +108,45 @@ class DiLoCoMixin:
 
         return step
 
-    def save_replica_state(self, filepath: Any) -> None:
-        """Write this rank's DiLoCo and inner optimizer state into the checkpoint folder (nothing without DiLoCo)."""
+    def with_replica_state(self, state: dict[str, Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What this rank gives DCP (``state``: :func:`~lightning_dist.checkpoint.store.sharded_state`): under DiLoCo
+        this replica's ``state`` under ``replica<r>`` (r >= 1) and the outer state under ``diloco``; the position in
+        the cycle goes into ``checkpoint`` (Lightning's file). ``state`` itself without DiLoCo."""
         if self._diloco is None:
-            return
-        path = Path(self.broadcast(filepath))
-        state = {
-            "layout": self.parallel_dims.describe(),
-            "diloco": self._diloco.state_dict(),
-            "optimizers": [_local_optimizer_state(optimizer) for optimizer in self.optimizers],
-        }
-        store.save_rank_state(path, self.global_rank, state)
+            return state
+        replica = self.parallel_dims.coordinates(self.global_rank)["dp_replicate"]
+        out = {f"replica{replica}": state} if replica else dict(state)
+        saved = self._diloco.state_dict()
+        step, in_flight = saved.pop("step"), saved.pop("in_flight")
+        out["diloco"] = saved
+        checkpoint["diloco"] = {
+            "replicas": self.parallel_dims.dp_replicate, "step": step, "in_flight": in_flight,
+            "fragments": len(self._diloco.fragments), "momentum": "momentum" in saved,
+            "equal": self._diloco.replicas_equal,
+        }  # fmt: skip
+        return out
 
-    def load_replica_state(self, path: Path) -> None:
-        """After DCP's load: this rank's own DiLoCo and inner optimizer state, or a fresh cycle when there is none.
+    def load_sharded_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Load the sharded checkpoint ``path`` into the model and optimizers (any layout) and, under DiLoCo, this
+        replica's parameters and inner optimizer state and the outer state; returns the rest for Lightning.
 
         Raises:
-            ValueError: The state was saved under another layout (one line; DiLoCo state does not reshard).
+            ValueError: The checkpoint's DiLoCo state cannot continue here (another ``dp_replicate`` mid-cycle,
+                another number of fragments or their split).
         """
-        if self._diloco is None:
-            return
-        state = store.load_rank_state(path, self.global_rank)
-        if state is None:
-            self._diloco.reset()
-            return
-        layout = self.parallel_dims.describe()
-        if state["layout"] != layout:
-            raise ValueError(
-                f"checkpoint {path} holds DiLoCo state of the layout {state['layout']}, not {layout}; DiLoCo state "
-                "does not reshard: resume with that layout."
-            )
-        self._diloco.load_state_dict(state["diloco"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            _load_local_optimizer_state(optimizer, saved)
+        rest = store.read_rest(path, weights_only)
+        meta = rest.pop("diloco", None)
+        if self._diloco is None or meta is None:
+            store.load_sharded(path, self.model, self.optimizers, strict)
+            self.reset_diloco()  # nothing to continue (a run without DiLoCo, or none here)
+            return rest
+        dims = self.parallel_dims
+        replica = dims.coordinates(self.global_rank)["dp_replicate"]
+        under = replica_key(path, meta, dims.dp_replicate, replica, len(self._diloco.fragments))
+        outer = self._diloco.empty_state(list(meta["in_flight"]), meta["momentum"])
+        store.load_sharded(path, self.model, self.optimizers, strict, under=under, extra={"diloco": outer})
+        self._diloco.load_state_dict({"step": meta["step"], "in_flight": meta["in_flight"], **outer})
+        return rest
 
     def reset_diloco(self) -> None:
         """A fresh outer cycle from the current (just loaded) parameters."""
@@ -142,27 +154,27 @@ class DiLoCoMixin:
             self._diloco.reset()
 
 
-def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    """The optimizer's per-parameter state as this rank's local shards, keyed by parameter position."""
-    out: dict[int, dict[str, Any]] = {}
-    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        state = optimizer.state.get(param)
-        if state:
-            out[index] = {k: _local(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
-                          for k, v in state.items()}  # fmt: skip
-    return out
+def replica_key(path: Path, meta: dict[str, Any], replicas: int, replica: int, fragments: int) -> str:
+    """Where replica ``replica`` of ``replicas`` (with ``fragments`` fragments) reads its parameters and inner
+    optimizer state from the checkpoint ``path`` whose DiLoCo state is ``meta``: its own key ``replica<r>`` (``""``,
+    the top level, for replica 0), or replica 0's when ``dp_replicate`` changed where the replicas are equal.
 
-
-def _load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[int, dict[str, Any]]) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    with torch.no_grad():
-        for index, values in saved.items():
-            state = optimizer.state[params[index]]
-            for key, value in values.items():
-                if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
-                    _local(state[key]).copy_(value)
-                else:
-                    state[key] = value
+    Raises:
+        ValueError: Another ``dp_replicate`` between outer steps, or another number of fragments (one line).
+    """
+    if meta["replicas"] != replicas and not meta["equal"]:
+        raise ValueError(
+            f"checkpoint {path} holds DiLoCo replicas of dp_replicate={meta['replicas']} between outer steps (inner "
+            f"step {meta['step']}; they differ) and this run has dp_replicate={replicas}; resume with "
+            f"dp_replicate={meta['replicas']}, or change it from a checkpoint right after an outer step "
+            "(diloco_fragments=1, diloco_alpha=0, nothing in flight)."
+        )
+    if meta["fragments"] != fragments:
+        raise ValueError(
+            f"checkpoint {path} holds DiLoCo state of diloco_fragments={meta['fragments']} and this run has "
+            f"{fragments}; resume with diloco_fragments={meta['fragments']}."
+        )
+    return f"replica{replica}" if replica and meta["replicas"] == replicas else ""
 
 
 def _mesh_axes(tensor: Tensor) -> tuple[str, ...]:
@@ -170,5 +182,8 @@ def _mesh_axes(tensor: Tensor) -> tuple[str, ...]:
     return tuple(getattr(mesh, "mesh_dim_names", None) or ())
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def _fqn(name: str) -> str:
+    """``name`` without torch's in-model wrappers (compile, activation checkpointing): the same in every layout."""
+    for part in full.WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name

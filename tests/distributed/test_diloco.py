@@ -1,6 +1,8 @@
 """DiLoCo over dp_replicate through the Trainer: exact against HSDP at H=1, replicas apart between outer steps and
-equal after, Streaming DiLoCo's staggered and delayed fragments, int8 exchanges, and a resume mid-cycle (with an
-exchange in flight) that continues exactly. One spawned group of 2 ranks (and one of 4) runs every case."""
+equal after, Streaming DiLoCo's staggered and delayed fragments, int8 exchanges, a resume mid-cycle (with an
+exchange in flight) that continues exactly, fsdp / tp / pp inside each replica, and a mid-cycle checkpoint resumed in
+another inner layout (tp2 -> pp2) or, right after an outer step, with more replicas. One spawned group of 2 ranks and
+one of 4 run every case."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy
 from lightning_dist.parallel.compression import chunk_numel, exchange_sizes, payload_bytes
+from lightning_dist.parallel.pipeline import PipelineSpec
 from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import Telemetry
 
@@ -33,14 +36,24 @@ class Net(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
         self.optimizer = optimizer
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def compute_loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
         return F.mse_loss(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.compute_loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=0.05)
         return torch.optim.SGD(self.parameters(), lr=0.1)  # no momentum, no weight decay
+
+
+class PipeNet(Net):
+    """Net split into pipeline stages (net.0 | net.1, net.2) under pp."""
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(model_attr="net", loss_fn=F.mse_loss)
 
 
 class Record(pl.Callback):
@@ -61,7 +74,7 @@ def _loader() -> DataLoader:
 
 
 def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = None, save: bool = False,
-         telemetry: bool = False, **strategy):  # fmt: skip
+         telemetry: bool = False, module: type[Net] = Net, **strategy):  # fmt: skip
     record = Record()
     callbacks: list[pl.Callback] = [record]
     if telemetry:  # logs at steps 2, 4, ...: the last record covers the whole run (every run has an even length)
@@ -69,11 +82,12 @@ def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = No
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1))
     strategy_obj = MeshStrategy(**strategy)
-    devices = strategy_obj._degrees["dp_replicate"] * max(strategy.get("dp_shard", 1), 1) * strategy.get("tp", 1)
+    degrees = strategy_obj._degrees
+    devices = degrees["dp_replicate"] * max(degrees["dp_shard"], 1) * degrees["tp"] * degrees["pp"]
     trainer = quiet_trainer(strategy_obj, devices,
                             max_steps=-1, callbacks=callbacks, max_epochs=epochs, default_root_dir=root,
                             enable_checkpointing=save)  # fmt: skip
-    trainer.fit(Net(optimizer), _loader(), ckpt_path=ckpt)
+    trainer.fit(module(optimizer), _loader(), ckpt_path=ckpt)
     diloco = strategy_obj.diloco
     out = {"params": record.params, "describe": "\n".join(strategy_obj.describe().lines())}
     if telemetry:
@@ -110,21 +124,43 @@ def _two_ranks(root: str) -> dict[str, Any]:
 
 
 def _four_ranks(root: str) -> dict[str, Any]:
-    layout = {"dp_replicate": 2, "dp_shard": 2}
+    folder, layout = Path(root), {"dp_replicate": 2, "dp_shard": 2}
     tp = {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "plan": {"net.0": "colwise", "net.2": "rowwise"}}
-    return {
-        "hsdp": _fit(Path(root) / "hsdp", 2, **layout),
-        "exact": _fit(Path(root) / "exact", 2, **layout, sync="diloco", **EXACT),
-        # tensor parallelism inside each replica: the pseudo-gradient of each rank's tp shard
-        "sync_tp": _fit(Path(root) / "sync_tp", 2, **tp),
-        "exact_tp": _fit(Path(root) / "exact_tp", 2, **tp, sync="diloco", **EXACT),
-        "h2_tp": _fit(Path(root) / "h2_tp", 2, **tp, sync="diloco", diloco_every=2),
+    pp = {"dp_replicate": 2, "dp_shard": 1, "pp": 2, "module": PipeNet}
+    out = {
+        "hsdp": _fit(folder / "hsdp", 2, **layout),
+        "exact": _fit(folder / "exact", 2, **layout, sync="diloco", **EXACT),
+        # tensor parallelism inside each replica: the pseudo-gradient of each rank's tp shard (saved: it is at an
+        # outer step after every inner step, where a resume may change dp_replicate)
+        "sync_tp": _fit(folder / "sync_tp", 2, **tp),
+        "exact_tp": _fit(folder / "exact_tp", 2, save=True, **tp, sync="diloco", **EXACT),
+        "h2_tp": _fit(folder / "h2_tp", 2, **tp, sync="diloco", diloco_every=2),
+        # pipeline stages inside each replica: the pseudo-gradient of each rank's stage
+        "sync_pp": _fit(folder / "sync_pp", 2, **pp),
+        "exact_pp": _fit(folder / "exact_pp", 2, **pp, sync="diloco", **EXACT),
+        "h2_pp": _fit(folder / "h2_pp", 2, **pp, sync="diloco", diloco_every=2),
     }
+    # a tp2 checkpoint of step 2 (an exchange in flight, due at 3; replicas and their AdamW states apart) resumed as pp2
+    resumable = {"sync": "diloco", "diloco_every": 2, "diloco_delay": 1, "diloco_alpha": 0.25}
+    out["whole_tp"] = _fit(folder / "whole_tp", 3, "adamw", **tp, **resumable, module=PipeNet)
+    _fit(folder / "first_tp", 1, "adamw", save=True, **tp, **resumable, module=PipeNet)
+    ckpt = next((folder / "first_tp").glob("epoch=0*"))
+    out["resumed_pp"] = _fit(folder / "resumed_pp", 3, "adamw", ckpt=ckpt, **pp, **resumable)
+    # dp_replicate 2 -> 4 right after an outer step: every replica starts from replica 0's state, as a synchronous run
+    ckpt = next((folder / "exact_tp").glob("epoch=0*"))
+    out["sync_r4"] = _fit(folder / "sync_r4", 2, ckpt=ckpt, dp_replicate=4, dp_shard=1)
+    out["exact_r4"] = _fit(folder / "exact_r4", 2, ckpt=ckpt, dp_replicate=4, dp_shard=1, sync="diloco", **EXACT)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return launch(_two_ranks, 2, str(tmp_path_factory.mktemp("diloco")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(_four_ranks, 4, str(tmp_path_factory.mktemp("diloco4")))
 
 
 def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], names: list[str] | None = None) -> bool:
@@ -185,15 +221,52 @@ def test_resume_mid_cycle_continues_exactly(two_ranks: list[dict[str, Any]]) -> 
     assert not _same(two_ranks[0]["whole"]["params"][1], two_ranks[1]["whole"]["params"][1])
 
 
-def test_h1_equals_hsdp_on_four_ranks_with_fsdp_or_tp_inside(tmp_path: Path) -> None:
-    ranks = launch(_four_ranks, 4, str(tmp_path))
-    for rank in ranks:
+def test_h1_equals_hsdp_on_four_ranks_with_fsdp_or_tp_inside(four_ranks: list[dict[str, Any]]) -> None:
+    for rank in four_ranks:
         _assert_close(rank["exact"], rank["hsdp"])
         _assert_close(rank["exact_tp"], rank["sync_tp"])
     # H=2 with tp inside: rank r and r+2 (the same tp shard, the other replica) equal after steps 2 and 4 only
-    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):
+    for a, b in ((four_ranks[0], four_ranks[2]), (four_ranks[1], four_ranks[3])):
         same = [_same(x, y) for x, y in zip(a["h2_tp"]["params"], b["h2_tp"]["params"])]
         assert same == [False, True, False, True], same
+
+
+def test_pp_inside_each_replica(four_ranks: list[dict[str, Any]]) -> None:
+    """pp2 x dp_replicate2: H=1 equals the synchronous run; at H=2 the replicas of each stage (ranks 2p and 2p+1) are
+    equal after the outer steps only."""
+    for rank in four_ranks:
+        assert len(rank["exact_pp"]["params"]) == 4
+        _assert_close(rank["exact_pp"], rank["sync_pp"])
+    stages = [sorted(four_ranks[p]["exact_pp"]["params"][0]) for p in (0, 2)]
+    assert stages == [["net.0.bias", "net.0.weight"], ["net.2.bias", "net.2.weight"]]
+    for a, b in ((four_ranks[0], four_ranks[1]), (four_ranks[2], four_ranks[3])):
+        same = [_same(x, y) for x, y in zip(a["h2_pp"]["params"], b["h2_pp"]["params"])]
+        assert same == [False, True, False, True], same
+
+
+def test_resume_mid_cycle_in_another_inner_layout(four_ranks: list[dict[str, Any]]) -> None:
+    """A dp_replicate2 x tp2 checkpoint of step 2 (an exchange in flight, replicas apart) resumed as pp2 x
+    dp_replicate2 (each replica's tp shards of parameters, AdamW state, backup, momentum and the exchange's mean
+    resharded into whole tensors of a pipeline stage) continues as the uninterrupted tp2 run does."""
+    for pp_rank in range(2):
+        for replica in range(2):
+            resumed = four_ranks[2 * pp_rank + replica]["resumed_pp"]["params"]
+            whole = four_ranks[2 * replica]["whole_tp"]["params"]  # tp ranks 2r, 2r+1: replica r, whole tensors
+            assert len(whole) == 6 and len(resumed) == 4  # steps 3..6 after the checkpoint of step 2
+            for step, (got, want) in enumerate(zip(resumed, whole[2:]), start=3):
+                assert got, step
+                for name in got:
+                    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=f"{step} {name}")
+    # the replicas really differed at the save (each replica's own state was needed)
+    assert not _same(four_ranks[0]["whole_tp"]["params"][1], four_ranks[2]["whole_tp"]["params"][1])
+
+
+def test_more_replicas_from_a_checkpoint_right_after_an_outer_step(four_ranks: list[dict[str, Any]]) -> None:
+    """dp_replicate 2 -> 4 from the H=1 run's checkpoint: every replica starts from replica 0's, and H=1 with outer
+    SGD lr 1 goes on as the synchronous dp_replicate4 run resumed from it."""
+    for rank in four_ranks:
+        assert len(rank["exact_r4"]["params"]) == 1  # 16 samples / (4 x 4) a step: epoch 2 is one step
+        _assert_close(rank["exact_r4"], rank["sync_r4"])
 
 
 def test_telemetry_measures_the_outer_exchange_apart(two_ranks: list[dict[str, Any]]) -> None:

@@ -1,9 +1,11 @@
-"""DiLoCo without a process group: compression error bounds and bytes, fragments, the schedule, options' errors, and
-a mid-cycle state_dict round trip (one replica: the outer step still moves the parameters)."""
+"""DiLoCo without a process group: compression error bounds and bytes, fragments, the schedule, options' errors, a
+mid-cycle state_dict round trip (one replica: the outer step still moves the parameters), and which checkpoints a
+resume can continue."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from lightning_dist.parallel.diloco import (
 )
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies.outer_sync import replica_key
 
 
 def _replicas(numel: int = 1000, n: int = 4) -> list[torch.Tensor]:
@@ -179,6 +182,15 @@ def _make(model: nn.Module) -> DiLoCo:
                   outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression="int8")  # fmt: skip
 
 
+def _fill(targets: dict, saved: dict) -> None:
+    """What DCP's load does: the saved tensors' values into the targets, in place."""
+    for key, value in targets.items():
+        if isinstance(value, dict):
+            _fill(value, saved[key])
+        else:
+            value.copy_(saved[key])
+
+
 def test_state_dict_round_trip_mid_cycle_with_an_exchange_in_flight() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -190,19 +202,56 @@ def test_state_dict_round_trip_mid_cycle_with_an_exchange_in_flight() -> None:
     model.load_state_dict(start)
     diloco = _make(model)
     _run(model, diloco, range(1, 7))  # fragment 1 started at step 6, due at 7: in flight
-    assert list(diloco._in_flight) == [1]
+    assert list(diloco._in_flight) == [1] and not diloco.replicas_equal
     state = diloco.state_dict()
+    assert set(state["average"]) == set(diloco.fragments[1]) and state["in_flight"] == {1: 7}
     moved = {k: v.clone() for k, v in model.state_dict().items()}
 
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))  # other initial values
+    fresh.load_state_dict(moved)  # the replica's parameters: the strategy loads them with the model's
     resumed = _make(fresh)
-    resumed.load_state_dict(state)
-    for key, value in fresh.state_dict().items():
-        assert torch.equal(value, moved[key])  # the replica's own parameters come back
+    targets = resumed.empty_state(list(state["in_flight"]), momentum=True)
+    _fill(targets, state)
+    resumed.load_state_dict({"step": state["step"], "in_flight": state["in_flight"], **targets})
     _run(fresh, resumed, range(7, 11))
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, uninterrupted[key]), key
     assert (resumed.step, resumed.bytes_total) == (whole.step, whole.bytes_total)
+
+
+def test_replicas_equal_right_after_a_whole_outer_step_only() -> None:
+    model = nn.Linear(4, 2)
+    for delay, equal in ((0, [False, True, False, True]), (1, [False, False, True, False])):
+        diloco = DiLoCo(list(model.named_parameters()), None, every=2, delay=delay, nesterov=False)
+        assert diloco.replicas_equal  # nothing trained yet
+        steps = []
+        for step in range(4):
+            _sgd_step(model, seed=step)
+            diloco.after_inner_step()
+            steps.append(diloco.replicas_equal)
+        assert steps == equal, delay
+    streaming = _make(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))  # F=2: the fragments sync apart
+    streaming.step = 8
+    assert not streaming.replicas_equal
+
+
+def test_fragments_split_otherwise_or_replicas_changed_mid_cycle_are_one_line() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    saved = _make(model).state_dict()
+    params = list(model.named_parameters())
+    regrouped = DiLoCo(params, None, fragments=[[n for n, _ in params[:1]], [n for n, _ in params[1:]]], every=4)
+    with pytest.raises(ValueError, match=r"has 0.weight in fragment 1 and this layout in fragment 0 .*pp degree") as e:
+        regrouped.load_state_dict({**saved, "fragment": {"0.weight": torch.tensor([1])}})
+    assert "\n" not in str(e.value)
+    meta = {"replicas": 2, "step": 3, "equal": False, "fragments": 1}
+    with pytest.raises(ValueError, match=r"dp_replicate=2 between outer steps .*resume with dp_replicate=2") as e:
+        replica_key(Path("ckpt"), meta, 4, 1, 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"diloco_fragments=1 and this run has 2; resume with diloco_fragments=1"):
+        replica_key(Path("ckpt"), meta, 2, 1, 2)
+    assert replica_key(Path("ckpt"), meta, 2, 1, 1) == "replica1"  # each replica its own
+    assert replica_key(Path("ckpt"), meta, 2, 0, 1) == ""  # replica 0's at the top, as any run's
+    assert replica_key(Path("ckpt"), {**meta, "equal": True}, 4, 3, 1) == ""  # equal replicas: replica 0's
 
 
 def test_lightning_ddp_refuses_diloco() -> None:
