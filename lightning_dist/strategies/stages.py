@@ -205,7 +205,7 @@ class PipelineStages:
             kwargs["loss_kwargs"] = pipeline.check_loss_kwargs(self.schedule, loss_kwargs)
         losses: list[Tensor] | None = [] if self._owns_last else None
         kwargs["losses"] = losses
-        self._match_shapes(*args, targets)
+        self._match_shapes(*args)
         if self.module.training and torch.is_grad_enabled():
             params = [p for p in self.module.parameters() if p.requires_grad]
             earlier = [p.grad for p in params]  # earlier micro steps' gradients (accumulating): put back below
