@@ -1,6 +1,6 @@
 """Context parallelism on CPU (gloo): the all-gather attention equals causal attention over the whole sequence, and
-cp2, cp2 x tp2, cp2 x FSDP2 and pp2 x cp2 train the GPT exactly as one process does. One spawned group of each size (1, 2, 4)
-runs every case of that size."""
+cp2, cp2 x tp2, cp2 x FSDP2 and pp2 x cp2 train the GPT exactly as one process does (DiLoCo replicas with cp2
+inside as DiLoCo without). One spawned group of each size (1, 2, 4) runs every case of that size."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from lightning_dist.parallel.context import AllGatherAttention, shard_sequence, 
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 
-SEQ, BATCH, STEPS = 64, 4, 3
-MODEL = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=128)
+SEQ, BATCH, STEPS = 256, 4, 3  # the issue's sequence length
+DILOCO = {"sync": "diloco", "diloco_every": 2}  # replicas apart for a step, then the outer step (Nesterov)
+MODEL = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=256)
 
 
 class Record(pl.Callback):
@@ -133,12 +134,14 @@ def _two_ranks(root: str) -> dict[str, Any]:
     out["cp2-ac"] = _fit(2, cp=2, dp_shard=1, options={"activation_checkpointing": "full"})
     out["resumed_tp2"] = _resumed(root, {"cp": 2}, {"tp": 2})
     out["resumed_cp2"] = _resumed(str(Path(root) / "from_tp2"), {"tp": 2}, {"cp": 2})
+    out["diloco"] = _fit(2, dp_replicate=2, dp_shard=1, options=DILOCO)
     return out
 
 
 def _four_ranks() -> dict[str, Any]:
     out = {"cp2xtp2": _fit(4, cp=2, tp=2, dp_shard=1), "cp2xfsdp2": _fit(4, cp=2, dp_shard=2)}
     out["pp2xcp2"] = _fit(4, pp=2, cp=2, dp_shard=1)  # each stage's blocks attend across the cp ranks of its stage
+    out["diloco_cp2"] = _fit(4, dp_replicate=2, cp=2, dp_shard=1, options=DILOCO)
     return {**out, "attention": _attention(4, 1)}
 
 
@@ -215,6 +218,19 @@ def test_cp2_with_tp_fsdp_or_pp_matches_one_process(layout: str, four_ranks: lis
         _assert_same_run(rank[layout], reference)
     held = set().union(*(rank[layout]["params"] for rank in four_ranks))
     assert held == reference["params"].keys()  # every parameter checked on some rank (pp: each stage's own)
+
+
+def test_diloco_replicas_split_their_sequences_over_cp(two_ranks: list, four_ranks: list) -> None:
+    """DiLoCo over 2 replicas with cp2 inside each equals DiLoCo over 2 replicas without cp (H=2, AdamW inside)."""
+    for rank, run in enumerate(four_ranks):  # ranks 0, 1: replica 0's cp ranks; 2, 3: replica 1's
+        got, want = run["diloco_cp2"], two_ranks[rank // 2]["diloco"]
+        np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+        for name, param in want["params"].items():
+            np.testing.assert_allclose(got["params"][name], param, rtol=1e-5, atol=1e-6, err_msg=name)
+    # the last of the 3 steps is an inner one: the replicas end apart
+    assert not np.allclose(
+        two_ranks[0]["diloco"]["params"]["model.head.weight"], two_ranks[1]["diloco"]["params"]["model.head.weight"]
+    )
 
 
 def test_head_tail_round_trip_and_balance() -> None:
