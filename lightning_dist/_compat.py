@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
     """Flatten ``axes`` of ``mesh`` into one axis ``name`` reachable as ``mesh[name]``.
 
-    ``DeviceMesh._flatten`` is private in torch 2.6-2.13; torchtitan uses the same call for its ``dp`` axis.
-    """
+    ``DeviceMesh._flatten`` is private in torch 2.6-2.13; torchtitan uses the same call for its ``dp`` axis."""
     return mesh[axes if len(axes) > 1 else axes[0]]._flatten(name)
 
 
@@ -30,8 +29,7 @@ def disable_inference_mode(trainer) -> None:
     """Run Lightning's validation, test and predict loops under ``no_grad`` instead of ``inference_mode``.
 
     DTensor rejects inference tensors; ``Trainer(inference_mode=False)`` does the same for every loop, but a
-    strategy cannot change the Trainer's constructor arguments, so it flips the loops' private flag.
-    """
+    strategy cannot change the Trainer's constructor arguments, so it flips the loops' private flag."""
     loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
     for loop in loops:
         loop.inference_mode = False
@@ -56,8 +54,7 @@ def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
     Lightning 2.6 broadcasts rank 0's ``trainer.received_sigterm`` and reads it back (``.item()``) before each batch
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a host read per step. A callback
     that replaces Lightning's SIGTERM handler and agrees on signals itself (``callbacks/preemption.py``) makes that
-    flag always false, so the broadcast is pure cost; it is dropped for this trainer's loop only.
-    """
+    flag always false, so the broadcast is pure cost; it is dropped for this trainer's loop only."""
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(loop, "_broadcast_sigterm_tensor"):
         return lambda: None
@@ -110,8 +107,7 @@ def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
     """Block until the functional collective that produced ``tensor`` finished; return the plain result.
 
     ``AsyncCollectiveTensor.wait()`` and ``funcol.wait_tensor`` are both in the private module. On CPU this blocks the
-    host; on CUDA it makes the current stream wait for the collective's stream.
-    """
+    host; on CUDA it makes the current stream wait for the collective's stream."""
     import torch.distributed._functional_collectives as funcol
 
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
@@ -123,8 +119,7 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` (``c10d._resolve_process_group``, private).
 
     Functional collectives identify groups by name (a DeviceMesh axis passes ``mesh._dim_group_names[dim]``); the
-    tracker maps the names of the mesh axes it knows directly and needs this only for a group it has not seen.
-    """
+    tracker maps the names of the mesh axes it knows directly and needs this only for a group it has not seen."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
@@ -141,8 +136,7 @@ def run_atexit_handlers() -> None:
     """Run the interpreter's ``atexit`` handlers now (``atexit._run_exitfuncs``, private to CPython).
 
     The launcher ends a finished rank with ``os._exit`` to skip a shutdown that can abort in gloo's destructors; the
-    handlers (W&B's, logging's) must still run first, while the interpreter is whole.
-    """
+    handlers (W&B's, logging's) must still run first, while the interpreter is whole."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -201,8 +195,7 @@ def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
     """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` and ``LightningModule.device_mesh``.
 
     Both properties are read-only views of private attributes that ``ModelParallelStrategy.setup_environment`` sets
-    to a mesh of its own; a hand-written ``configure_model`` reads the axes from ``self.device_mesh``.
-    """
+    to a mesh of its own; a hand-written ``configure_model`` reads the axes from ``self.device_mesh``."""
     strategy._device_mesh = mesh
     module._device_mesh = mesh
 
@@ -238,8 +231,7 @@ def mem_tracker() -> Any:
     """A new ``MemTracker``: follows every tensor a step creates, by module, and records the peak of what is alive.
 
     ``torch.distributed._tools.mem_tracker.MemTracker`` is private (there since torch 2.5); it works under
-    :func:`fake_tensor_mode`, so the planner measures a rank's peak memory without allocating it.
-    """
+    :func:`fake_tensor_mode`, so the planner measures a rank's peak memory without allocating it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
@@ -250,8 +242,7 @@ def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.
 
     Pipeline splitting deletes blocks from a container by key, and sets parts a stage does not own to ``None``
-    (which ``named_children`` skips and ``forward`` can test for), keeping every other key as it was.
-    """
+    (which ``named_children`` skips and ``forward`` can test for), keeping every other key as it was."""
     return module._modules
 
 
@@ -361,6 +352,17 @@ def wandb_experiment(logger: Any) -> Any | None:
 def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
     """The (mutable) keyword arguments a ``WandbLogger`` hands ``wandb.init`` when it starts its run."""
     return logger._wandb_init
+
+
+def torch_ring_attention(on: bool, rotate: str = "allgather") -> None:
+    """Route SDPA on DTensors sharded on dim 2 to torch's ring attention (CUDA's flash / efficient / cuDNN kernels, the
+    head-tail load-balanced causal schedule, K/V passed by ``allgather`` or ``alltoall``), or stop (``on=False``):
+    private in torch 2.13 (``torch.distributed.tensor.experimental._context_parallel``); torchtitan's calls."""
+    from torch.distributed.tensor.experimental import _attention as cp
+
+    cp.set_rotate_method(rotate)  # both read by every ring call, forward and backward (off: torch's defaults again)
+    cp._cp_options.enable_load_balance = True
+    (cp._enable_context_parallel_dispatcher if on else cp._disable_context_parallel_dispatcher)()
 
 
 # -------------------------------------------------------------------------------------------------------- transformers

@@ -45,9 +45,13 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks, head-tail balanced (data.seq_len divisible by
     2 x cp; the built-in GPT, arch=llama)."""
-    cp_attention: str = "allgather"
-    """Context parallel: the attention across the cp group: allgather (all-gather of keys and values, the causal
-    mask offset by each chunk's position; any backend, exact)."""
+    cp_attention: str = "auto"
+    """Context parallel: the attention across the cp group: auto (torch on CUDA, else allgather), allgather (all-gather
+    of keys and values, the causal mask offset by each chunk's position; any device and backend, exact) or torch
+    (torch's ring attention on CUDA's flash / efficient / cuDNN SDPA kernels). The start-up layout says which runs."""
+    cp_rotate: str = "allgather"
+    """Context parallel, torch's ring attention: keys and values travel by one allgather or by alltoall (cp - 1 ring
+    steps, each overlapping a block of attention); torch's set_rotate_method."""
     sequence_parallel: bool = True
     """Tensor parallel: shard norms and residuals along the sequence dim."""
     loss_parallel: bool = True

@@ -4,6 +4,7 @@ message names the strategy and the fix rather than a world-size mismatch."""
 from __future__ import annotations
 
 from lightning_dist.config.schema import ParallelismConfig
+from lightning_dist.parallel.options import resolve_cp_attention
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
 #: every other name is our MeshStrategy, whose path follows from the degrees alone.
@@ -59,3 +60,5 @@ def check_strategy_can_do(par: ParallelismConfig, accelerator: str = "cpu") -> N
             f"{values} is not possible with parallelism.strategy={par.strategy} (it does {DOES[par.strategy]}); "
             f"{cannot[bad[0]]}."
         )
+    if par.cp > 1:  # torch's ring attention is CUDA's: cp_attention=torch (and its cp_rotate) is refused elsewhere
+        resolve_cp_attention(par.cp_attention, par.cp_rotate, accelerator, "parallelism.")

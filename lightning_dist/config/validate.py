@@ -138,6 +138,7 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
             sync=par.sync,
             cp_attention=par.cp_attention,
+            cp_rotate=par.cp_rotate,
             ddp_comm_hook=par.ddp_comm_hook,
             reduce_dtype=par.reduce_dtype,
             **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},

@@ -30,7 +30,7 @@ def gpt_context_parallel_spec(prefix: str) -> ContextParallelSpec:
     """Every block's attention function, and the RoPE tables (rows by position) of the GPT at ``prefix``."""
     return ContextParallelSpec(
         attention=(f"{prefix}layers.*.attn",),
-        positions=prefix.rstrip(".") or None,
+        positions=prefix.rstrip("."),  # "": the module itself
         position_tables=("rope_cos", "rope_sin"),
     )
 

@@ -8,6 +8,7 @@ fills with its cp attention (all-gather of K/V, causal by global position). The 
 ``forward`` takes ``position_ids``: the strategy passes this rank's global positions, so the rotary embedding
 rotates each token by its place in the whole sequence (HF would use ``arange(T_local)``). transformers builds no mask
 for an attention function it has no mask builder for, so HF's local causal mask never reaches it.
+Both are undone with the rest of the cp changes when the strategy tears down (``undo_context_parallel``).
 
 No modeling code is copied, no distributed code here. Needs the optional extra ``lightning-dist[hf]``.
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist import _compat
+from lightning_dist.parallel.context import ContextParallelSpec, apply_change
 
 #: The name :func:`cp_attention_forward` is registered under in transformers' ``AttentionInterface``.
 CP_ATTENTION = "lightning_dist_cp"
@@ -60,22 +63,38 @@ def hf_context_parallel_spec(prefix: str) -> ContextParallelSpec:
     return ContextParallelSpec(
         attention=(prefix + _ATTENTION_MODULES,),
         attention_attr=ATTRIBUTE,
-        position_ids=prefix.rstrip(".") or None,
+        position_ids=prefix.rstrip("."),  # "": the module itself
         prepare=functools.partial(route_attention, path=prefix.rstrip(".")),
     )
 
 
 def route_attention(module: nn.Module, path: str = "") -> None:
     """Make the transformers model at ``path`` in ``module`` (this instance) call :func:`cp_attention_forward`, which
-    calls each attention module's :data:`ATTRIBUTE` (``None`` until the strategy fills it)."""
+    calls each attention module's :data:`ATTRIBUTE` (``None`` until the strategy fills it). Recorded as a change of
+    context parallelism: undone with it, the model runs its own attention implementation again."""
     import transformers  # optional dependency: lightning-dist[hf]
 
     transformers.AttentionInterface.register(CP_ATTENTION, cp_attention_forward)
-    model = module.get_submodule(path)
-    for name, child in model.named_modules():
-        if fnmatch.fnmatchcase(name, _ATTENTION_MODULES) and not hasattr(child, ATTRIBUTE):
-            setattr(child, ATTRIBUTE, None)
+    apply_change(module.get_submodule(path), _route)
+
+
+def _route(model: nn.Module) -> Callable[[nn.Module], None]:
+    previous = _compat.attn_implementation(model.config)
+    added = [
+        child
+        for name, child in model.named_modules()
+        if fnmatch.fnmatchcase(name, _ATTENTION_MODULES) and not hasattr(child, ATTRIBUTE)
+    ]
+    for child in added:
+        setattr(child, ATTRIBUTE, None)
     model.set_attn_implementation(CP_ATTENTION)
+
+    def undo(model: nn.Module) -> None:
+        for child in added:
+            delattr(child, ATTRIBUTE)
+        model.set_attn_implementation(previous)
+
+    return undo
 
 
 def cp_attention_forward(

@@ -73,7 +73,7 @@ def parallelize(
                 f"cp={dims.cp} needs the module's context_parallel_spec() (its attention modules and position "
                 "tables); define it on the LightningModule, or set cp=1."
             )
-        context = apply_context_parallel(module, cp_spec, mesh["cp"].get_group(), options.cp_attention)
+        context = apply_context_parallel(module, cp_spec, mesh["cp"], options.cp_attention, options.cp_rotate)
     # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
     #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
     apply_activation_checkpointing(fsdp_units, options.activation_checkpointing, options.ac_selective)

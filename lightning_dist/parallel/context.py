@@ -8,28 +8,29 @@ positions), and the strategy splits each batch with :func:`shard_batch`.
 Load balancing (head-tail): the sequence is cut into ``2 x cp`` equal chunks and cp rank ``r`` holds chunks ``r`` and
 ``2cp - 1 - r``, so under a causal mask every rank attends over the same number of (query, key) pairs.
 
-Attention implementations (:data:`ATTENTION`), chosen by name:
-
-- ``"allgather"`` (:class:`AllGatherAttention`): all-gather keys and values over the cp group (their gradients are
-  reduce-scattered back to their owners), then attend with this rank's two query chunks, each against the keys up
-  to its own end under the causal mask of its global positions. Any backend and device, exact (gloo on CPU
-  included). Memory: the whole sequence's keys and values on every rank, per layer (freed after it).
+The attention across the cp group (``allgather``, torch's ring ``torch``, or ``auto``) is
+:mod:`lightning_dist.parallel.context_attention`'s. Everything :func:`apply_context_parallel` changes is recorded, so
+:func:`undo_context_parallel` gives the module its own attention and positions back (a later use without cp computes
+as before), and what it returns makes the changes again (the strategy does both around its loops).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.bias import causal_lower_right
 
+from lightning_dist.parallel.context_attention import AllGatherAttention as AllGatherAttention  # re-exported
+from lightning_dist.parallel.context_attention import TorchRingAttention, build_attention, head_tail_positions
 from lightning_dist.parallel_dims import check_context_parallel_seq_len
 
 
@@ -64,16 +65,6 @@ class ContextParallelSpec:
 
 
 # ------------------------------------------------------------------------------------------- the sequence split
-def head_tail_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
-    """Global positions of cp rank ``rank``'s tokens, in its local order: chunk ``rank``, then chunk
-    ``2 cp - 1 - rank`` of ``2 cp`` equal chunks. Shape (seq_len // cp,), int64."""
-    check_context_parallel_seq_len(cp, seq_len, "the sequence length")
-    chunk = seq_len // (2 * cp)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat((head, tail))
-
-
 def shard_sequence(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
     """This cp rank's part of ``x`` along ``dim`` (its head and tail chunks, concatenated)."""
     check_context_parallel_seq_len(cp, x.shape[dim], "the sequence length")
@@ -150,144 +141,145 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------------------- attention
-# torch 2.13's names; older releases have only the ones they deprecate (same arguments). Looked up at each call, not
-# bound once: the telemetry's CommTracker counts cp traffic by replacing torch.distributed's functions while installed.
-def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
-class _AllGather(torch.autograd.Function):
-    """All-gather along dim 0 whose backward sums the gradient of every copy into its owner (reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        _reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
-
-
-def _causal_chunk(query: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
-    """Query ``i`` of ``query`` (B, H, c, D) against ``keys`` / ``values`` (B, K, end, D) up to ``i + end - c``
-    (the lower-right causal mask), with no quadratic tensor kept for the backward."""
-    chunk, end = query.shape[2], keys.shape[2]
-    if query.device.type != "cpu":  # CUDA's flash / efficient kernels take the lower-right mask as a flag
-        mask = causal_lower_right(chunk, end)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    # On CPU torch materializes a CausalBias (an additive c x end mask, kept for the backward): instead, zero queries
-    # in front make the mask the square causal one, which the CPU flash kernel takes as a flag. Costs (end - c)
-    # query rows of compute and two (B, H, end, D) tensors kept, linear in T; their outputs are dropped.
-    padded = torch.cat((query.new_zeros(*query.shape[:2], end - chunk, query.shape[3]), query), dim=2)
-    out = F.scaled_dot_product_attention(padded, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    return out[:, :, end - chunk :]
-
-
-class AllGatherAttention:
-    """Causal attention over the whole sequence for a cp rank holding its head and tail chunks (portable, exact).
-
-    Args:
-        group: The cp process group.
-    """
-
-    name = "allgather"
-    description = "all-gather of K/V over cp, then causal attention per head/tail chunk (portable, any backend)"
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.cp = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self._order_cache: Tensor | None = None
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-        """``q`` (B, H, T_local, D), ``k`` / ``v`` (B, K, T_local, D) of this rank's tokens -> (B, H, T_local, D);
-        ``scale`` multiplies the scores (``None``: ``D ** -0.5``)."""
-        cp, local_len = self.cp, q.shape[2]
-        chunk = local_len // 2
-        # One collective for keys and values; gathered before the grouped-query repeat (K heads, not H, travel).
-        kv = _AllGather.apply(torch.stack((k, v)), self.group)  # (cp * 2, B, K, T_local, D), rank-major
-        kv = kv.unflatten(0, (cp, 2)).movedim(0, 3).flatten(3, 4)  # (2, B, K, cp * T_local, D)
-        kv = kv.index_select(3, self._order(cp * local_len, kv.device))  # (2, B, K, T, D): global order
-        keys, values = kv[0], kv[1]  # K heads: SDPA's grouped-query path keeps these, not H repeated copies
-        outs = []
-        for index, chunk_id in enumerate((self.rank, 2 * cp - 1 - self.rank)):
-            start = chunk_id * chunk  # global position of the chunk's first query
-            end = start + chunk  # keys after the chunk's last query are masked for all of it: not computed
-            query = q[:, :, index * chunk : (index + 1) * chunk]  # (B, H, c, D)
-            outs.append(_causal_chunk(query, keys[:, :, :end], values[:, :, :end], scale))
-        return torch.cat(outs, dim=2)  # (B, H, T_local, D)
-
-    def _order(self, seq_len: int, device: torch.device) -> Tensor:
-        """For each global position, its index in the rank-major concatenation of every rank's tokens."""
-        if self._order_cache is None or self._order_cache.shape[0] != seq_len or self._order_cache.device != device:
-            held = torch.cat([head_tail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])
-            self._order_cache = torch.argsort(held)
-        return self._order_cache
-
-
-#: Attention implementations by name: ``fn(cp_group) -> attention function`` (``(q, k, v, scale=None) -> out``).
-ATTENTION: dict[str, Callable[[dist.ProcessGroup], Callable[..., Tensor]]] = {
-    AllGatherAttention.name: AllGatherAttention,
-}
-
-
 # ----------------------------------------------------------------------------------------------- applying it
 def apply_context_parallel(
-    module: nn.Module, spec: ContextParallelSpec, group: dist.ProcessGroup, attention: str = "allgather"
+    module: nn.Module,
+    spec: ContextParallelSpec,
+    group: DeviceMesh | dist.ProcessGroup,
+    attention: str = "auto",
+    rotate: str = "allgather",
 ) -> str:
     """Make ``module`` compute on this cp rank's part of each sequence: replace its attention functions and index its
-    position tables by this rank's global positions. In place; the batch is split by the caller (:func:`shard_batch`).
+    position tables by this rank's global positions. In place, undone by :func:`undo_context_parallel`; the batch is
+    split by the caller (:func:`shard_batch`).
 
     Args:
         module: The module to change; ``spec``'s names are relative to it.
         spec: Which modules and buffers take part.
-        group: The cp process group.
-        attention: A key of :data:`ATTENTION`.
+        group: The 1-D cp mesh (a process group: its device type is ``cuda`` under nccl, else ``cpu``).
+        attention: ``auto``, ``allgather`` or ``torch`` (:mod:`~lightning_dist.parallel.context_attention`).
+        rotate: torch's ring attention: ``allgather`` or ``alltoall``.
 
     Returns:
         What runs, in words (for ``describe()``).
 
     Raises:
-        ValueError: An unknown ``attention``, or a pattern that matches no module (one line each).
+        ValueError: An attention that cannot run here, or a pattern that matches no module (one line each).
     """
-    if attention not in ATTENTION:
-        raise ValueError(f"cp attention={attention!r} is unknown; use one of {sorted(ATTENTION)}.")
-    fn = ATTENTION[attention](group)
+    if not isinstance(group, DeviceMesh):
+        group = DeviceMesh.from_group(group, "cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    fn = build_attention(attention, group, rotate)
     if spec.prepare is not None:
         spec.prepare(module)
-    patched = 0
-    for name, child in module.named_modules():
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.attention):
-            if not hasattr(child, spec.attention_attr):
-                raise ValueError(
-                    f"{name} matches the context-parallel spec but has no attribute {spec.attention_attr!r}; fix "
-                    "context_parallel_spec() of the module."
-                )
-            setattr(child, spec.attention_attr, fn)
-            patched += 1
-    if patched == 0:
+    patched = [
+        (name, child)
+        for name, child in module.named_modules()
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.attention)
+    ]
+    if not patched:
         raise ValueError(
             f"context_parallel_spec() names attention modules {list(spec.attention)} but none exists in "
             f"{type(module).__name__}; fix the patterns (module names relative to it)."
         )
+    for name, child in patched:
+        if not hasattr(child, spec.attention_attr):
+            raise ValueError(
+                f"{name} matches the context-parallel spec but has no attribute {spec.attention_attr!r}; fix "
+                "context_parallel_spec() of the module."
+            )
+    if isinstance(fn, TorchRingAttention):  # torch's CP dispatcher on while the attention is in place
+        apply_change(patched[0][1], _ring_dispatcher(fn))
+    for _, child in patched:
+        apply_change(child, _set_attribute(spec.attention_attr, fn))
+    cp_group = group.get_group()
     if spec.positions is not None and spec.position_tables:
-        _GlobalPositions(group, spec.position_tables).attach(module.get_submodule(spec.positions))
+        apply_change(module.get_submodule(spec.positions), _GlobalPositions(cp_group, spec.position_tables).attach)
     if spec.position_ids is not None:
-        _GlobalPositionIds(group).attach(module.get_submodule(spec.position_ids))
-    size = dist.get_world_size(group)
-    return f"context parallel cp={size}: head-tail sequence split; {patched} attention modules: {fn.description}"
+        apply_change(module.get_submodule(spec.position_ids), _GlobalPositionIds(cp_group).attach)
+    split = f"context parallel cp={group.size()}: head-tail sequence split"
+    return f"{split}; {len(patched)} attention modules: {fn.description}"
+
+
+#: A change to a module: called with the module, it makes the change and returns its undo (called with the module).
+Change = Callable[[nn.Module], Callable[[nn.Module], None]]
+
+
+@dataclass
+class _Applied:
+    order: int  # undone newest first, applied again oldest first
+    change: Change
+    undo: Callable[[nn.Module], None] | None  # None while undone
+
+
+# Keyed by the changed module, weakly: the records (whose callables never hold their module) go with it.
+_CHANGES: weakref.WeakKeyDictionary[nn.Module, list[_Applied]] = weakref.WeakKeyDictionary()
+_ORDER = itertools.count()
+
+
+def apply_change(module: nn.Module, change: Change) -> None:
+    """Make ``change`` to ``module`` and record it for :func:`undo_context_parallel` (a spec's ``prepare`` records its
+    own changes so)."""
+    _CHANGES.setdefault(module, []).append(_Applied(next(_ORDER), change, change(module)))
+
+
+def undo_context_parallel(module: nn.Module) -> UndoneChanges:
+    """Undo, newest first, what context parallelism changed in ``module`` and its submodules (attention functions,
+    position hooks, a spec's ``prepare``): it computes as it did before. Returns those changes, to make them again."""
+    records = sorted(_records(module, applied=True), key=lambda record: -record[1].order)
+    for owner, record in records:
+        record.undo(owner)  # type: ignore[misc]  # applied: it has its undo
+        record.undo = None
+    return UndoneChanges(records[::-1])
+
+
+@dataclass
+class UndoneChanges:
+    """The changes one :func:`undo_context_parallel` undid (oldest first); :meth:`redo` makes exactly these again,
+    not those another owner of the module (a later strategy) applied and undid."""
+
+    records: list[tuple[nn.Module, _Applied]]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def redo(self) -> int:
+        """Make the changes again, oldest first (once: a second call does nothing); returns how many."""
+        records, self.records = self.records, []
+        for owner, record in records:
+            record.undo = record.change(owner)
+        return len(records)
+
+
+def _records(module: nn.Module, applied: bool) -> list[tuple[nn.Module, _Applied]]:
+    return [(m, r) for m in module.modules() for r in _CHANGES.get(m, ()) if (r.undo is not None) == applied]
+
+
+def _ring_dispatcher(fn: TorchRingAttention) -> Change:
+    """The change that turns torch's CP dispatcher on for ``fn`` (undone: off, when no other user is left)."""
+
+    def change(module: nn.Module) -> Callable[[nn.Module], None]:
+        fn.enable()
+        return lambda _: fn.disable()
+
+    return change
+
+
+def _set_attribute(name: str, value: Any) -> Change:
+    """The change that sets attribute ``name`` to ``value`` (undone: the old value, or no attribute again)."""
+
+    def change(module: nn.Module) -> Callable[[nn.Module], None]:
+        had, old = name in vars(module), getattr(module, name, None)
+        setattr(module, name, value)
+
+        def undo(module: nn.Module) -> None:
+            if had:
+                setattr(module, name, old)
+            else:
+                delattr(module, name)
+
+        return undo
+
+    return change
 
 
 class _GlobalPositions:
@@ -298,9 +290,18 @@ class _GlobalPositions:
         self.cp, self.rank, self.tables = dist.get_world_size(group), dist.get_rank(group), tables
         self._saved: list[tuple[Tensor, ...]] = []
 
-    def attach(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self._before)
-        module.register_forward_hook(self._after, always_call=True)  # put the tables back after an error too
+    def attach(self, module: nn.Module) -> Callable[[nn.Module], None]:
+        """Register the hooks on ``module``; returns their removal (a :data:`Change`)."""
+        handles = (
+            module.register_forward_pre_hook(self._before),
+            module.register_forward_hook(self._after, always_call=True),  # put the tables back after an error too
+        )
+
+        def remove(_: nn.Module) -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove
 
     def _before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         local_len = args[0].shape[1]
@@ -327,8 +328,10 @@ class _GlobalPositionIds:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def attach(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self._before, with_kwargs=True)
+    def attach(self, module: nn.Module) -> Callable[[nn.Module], None]:
+        """Register the hook on ``module``; returns its removal (a :data:`Change`)."""
+        handle = module.register_forward_pre_hook(self._before, with_kwargs=True)
+        return lambda _: handle.remove()
 
     def _before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -31,8 +31,11 @@ SYNCS = ("every_step", "diloco")
 COMPRESSIONS = ("fp32", "bf16", "int8")
 #: Synchronous DDP's gradient compression: torch's DDP communication hooks (Lightning's DDP only).
 DDP_COMM_HOOKS = ("bf16", "fp16", "powersgd")
-#: Context parallelism's attention across the cp group (implementations: ``lightning_dist.parallel.context``).
-CP_ATTENTIONS = ("allgather",)
+#: Context parallelism's attention across the cp group (``lightning_dist.parallel.context_attention``): ``auto`` is
+#: torch's ring attention on CUDA (``torch``), else ``allgather``.
+CP_ATTENTIONS = ("auto", "allgather", "torch")
+#: How torch's ring attention passes keys and values around the cp group (torch's ``set_rotate_method``).
+CP_ROTATES = ("allgather", "alltoall")
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -78,8 +81,11 @@ class ParallelOptions:
             plain warm-up steps); ``None`` = full precision. Not exact: the sum is rounded.
         reduce_dtype: FSDP2 (mesh layouts): the dtype gradients are reduced in, ``fp32`` or ``bf16`` (half the
             bytes, rounded sums); ``None`` = fp32 under mixed precision, else the parameters' dtype.
-        cp_attention: CP: the attention across the cp group, ``allgather`` (all-gather of keys and values; any
-            backend, exact).
+        cp_attention: CP: the attention across the cp group: ``allgather`` (all-gather of keys and values; any
+            device and backend, exact), ``torch`` (torch's ring attention: CUDA's flash / efficient / cuDNN SDPA kernels
+            on DTensors) or ``auto`` (``torch`` on CUDA, else ``allgather``); see :func:`resolve_cp_attention`.
+        cp_rotate: CP, torch's ring attention: keys and values reach the other cp ranks by one ``allgather`` or by
+            ``alltoall`` (``cp - 1`` ring steps); ``allgather`` only with ``cp_attention=allgather``.
 
     The precision policy is not here: Lightning's ``Trainer(precision=...)`` is its one source, and the strategy
     derives FSDP2's compute dtype from it.
@@ -114,7 +120,8 @@ class ParallelOptions:
     diloco_compression: str = "fp32"
     ddp_comm_hook: str | None = None
     reduce_dtype: str | None = None
-    cp_attention: str = "allgather"
+    cp_attention: str = "auto"
+    cp_rotate: str = "allgather"
 
     def __post_init__(self) -> None:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
@@ -135,6 +142,13 @@ class ParallelOptions:
             )
         if self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp_attention={self.cp_attention!r} is unknown; use {', '.join(CP_ATTENTIONS)}.")
+        if self.cp_rotate not in CP_ROTATES:
+            raise ValueError(f"cp_rotate={self.cp_rotate!r} is unknown; use {', '.join(CP_ROTATES)}.")
+        if self.cp_attention == "allgather" and self.cp_rotate != "allgather":
+            raise ValueError(
+                f"cp_rotate={self.cp_rotate} is for torch's ring attention but cp_attention=allgather runs the "
+                "all-gather one; set cp_attention=torch (or auto on CUDA), or cp_rotate=allgather."
+            )
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype!r} is unknown; use {', '.join(REDUCE_DTYPES)} or null (automatic)."
@@ -240,6 +254,36 @@ class ParallelOptions:
             )
         except ValueError as err:
             raise ValueError(f"{prefix}{err}") from None  # the same message, named as the caller's field
+
+
+def resolve_cp_attention(attention: str, rotate: str, device_type: str, prefix: str = "") -> str:
+    """The cp attention that runs on ``device_type`` (``cpu``, ``cuda``; ``gpu`` is ``cuda``): ``auto`` is ``torch``
+    on CUDA, else ``allgather``.
+
+    torch's own context parallelism (2.13: ``torch.distributed.tensor.experimental``) routes only CUDA's flash,
+    efficient and cuDNN SDPA kernels to its ring: on CPU the DTensor SDPA has no sharding rule at all.
+
+    Raises:
+        ValueError: An unknown name, ``torch`` off CUDA, or ``rotate=alltoall`` where the all-gather attention runs
+            (one line each).
+    """
+    if attention not in CP_ATTENTIONS:
+        raise ValueError(f"{prefix}cp_attention={attention!r} is unknown; use {', '.join(CP_ATTENTIONS)}.")
+    if rotate not in CP_ROTATES:
+        raise ValueError(f"{prefix}cp_rotate={rotate!r} is unknown; use {', '.join(CP_ROTATES)}.")
+    cuda = device_type in ("cuda", "gpu")
+    if attention == "torch" and not cuda:
+        raise ValueError(
+            f"{prefix}cp_attention=torch runs torch's ring attention, whose kernels are CUDA's (flash / efficient / "
+            f"cuDNN SDPA; torch 2.13), but the ranks run on {device_type}; set {prefix}cp_attention=allgather or auto."
+        )
+    resolved = attention if attention != "auto" else "torch" if cuda else "allgather"
+    if resolved == "allgather" and rotate != "allgather":
+        raise ValueError(
+            f"{prefix}cp_rotate={rotate} is for torch's ring attention, but {prefix}cp_attention={attention} runs the "
+            f"all-gather attention on {device_type}; set {prefix}cp_rotate=allgather."
+        )
+    return resolved
 
 
 def compile_with_tp_error(tp: int, prefix: str = "") -> str:

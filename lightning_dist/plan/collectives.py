@@ -180,6 +180,8 @@ def step_collectives(
     lay, dt = layout, Dtypes.of(precision)
     pp, tp, ds, dr, cp = lay.pp, lay.tp, lay.dp_shard, lay.dp_replicate, lay.cp
     shard, shard_axis = ds * cp, DP_SHARD_CP if cp > 1 else "dp_shard"  # FSDP2's group: cp ranks share parameters
+    if cp == lay.world:  # cp spans the world: FSDP2's group is the cp group (one group object, reported as cp)
+        shard_axis = "cp"
     local_seq = seq_len // cp  # this rank's tokens of a sequence
     stage = (0 if pp <= 2 else 1) if stage is None else stage
     micro = lay.microbatches  # micro batches per step: pipeline microbatches, or accumulated batches

@@ -3,6 +3,10 @@
 The rule for any batch (:func:`lightning_dist.parallel.context.shard_batch`): every tensor whose dim 1 is the sequence
 length (dim 1 of the batch's first tensor of two or more dims) is cut into ``2 x cp`` chunks and cp rank ``r`` keeps
 chunks ``r`` and ``2 cp - 1 - r``; other values arrive whole. The built-in ``(inputs, targets)`` batches are (B, T).
+
+The module's cp changes (attention functions, position hooks) last as long as the strategy's loops: teardown undoes
+them, so the same LightningModule used afterwards without cp (in one process, under another strategy) computes as
+before, and the start of this strategy's next loop (``trainer.validate`` after ``fit``) makes them again.
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_dist.parallel.context import gather_outputs, sequence_length, shard_batch
+from lightning_dist.parallel.context import (
+    UndoneChanges,
+    gather_outputs,
+    sequence_length,
+    shard_batch,
+    undo_context_parallel,
+)
 from lightning_dist.parallel_dims import ParallelDims
 
 
@@ -19,6 +29,41 @@ class ContextParallelMixin:
     """For a Lightning strategy with ``parallel_dims``: the step hooks receive this cp rank's part of the batch."""
 
     parallel_dims: ParallelDims
+    lightning_module: Any
+    _cp_undone: UndoneChanges | None = None  # what this strategy's teardown undid, made again at its next loop
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            undone = undo_context_parallel(self.lightning_module)
+            if len(undone) or self._cp_undone is None:  # a second teardown before the next loop keeps the first's
+                self._cp_undone = undone
+        super().teardown()  # type: ignore[misc]
+
+    def _redo_context_parallel(self) -> None:
+        if self._cp_undone is not None:  # this strategy's own changes only (not another strategy's, undone earlier)
+            self._cp_undone.redo()
+            self._cp_undone = None
+
+    @override
+    def on_train_start(self) -> None:
+        self._redo_context_parallel()
+        super().on_train_start()  # type: ignore[misc]
+
+    @override
+    def on_validation_start(self) -> None:
+        self._redo_context_parallel()
+        super().on_validation_start()  # type: ignore[misc]
+
+    @override
+    def on_test_start(self) -> None:
+        self._redo_context_parallel()
+        super().on_test_start()  # type: ignore[misc]
+
+    @override
+    def on_predict_start(self) -> None:
+        self._redo_context_parallel()
+        super().on_predict_start()  # type: ignore[misc]
 
     def shard_step_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The step's arguments with its batch (the first positional argument, or ``batch=``) cut for this cp rank."""

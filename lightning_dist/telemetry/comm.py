@@ -361,7 +361,16 @@ class CommTracker:
 
 # ------------------------------------------------------------------------------------------------------ patching
 # ------------------------------------------------------------------------------------------------------ helpers
-def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = tuple(REPORTED_AXIS)) -> dict:
+#: Mesh axes in the order their groups are registered: a group object serves several axes only where they span the
+#: same ranks (torch gives every world-spanning axis the default group), and is then named by the first: cp=2 on 2
+#: ranks is ``cp`` (FSDP2's ``dp_shard_cp`` included), not ``dp``.
+_REGISTER_ORDER = (
+    *(a for a in REPORTED_AXIS if REPORTED_AXIS[a] != DP),
+    *(a for a in REPORTED_AXIS if REPORTED_AXIS[a] == DP),
+)
+
+
+def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = _REGISTER_ORDER) -> dict:
     """``{reported axis: [process groups]}`` of the named axes of a DeviceMesh that has them."""
     groups: dict[str, list[dist.ProcessGroup]] = {}
     for axis in axes:

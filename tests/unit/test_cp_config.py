@@ -1,11 +1,15 @@
-"""``parallelism.cp`` from the config: what runs, and each case that cannot, one line before launch."""
+"""``parallelism.cp`` from the config: what runs, and each case that cannot, one line before launch; which cp attention
+runs where (torch's ring attention on CUDA, the all-gather one elsewhere) and that our sequence split is torch's."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import FAST, compose_config
 
-from lightning_dist.config.validate import validate
+from lightning_dist.config.validate import options_of, validate
+from lightning_dist.parallel.context_attention import TorchRingAttention, head_tail_positions
+from lightning_dist.parallel.options import resolve_cp_attention
 
 HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
 
@@ -14,7 +18,7 @@ HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
 def test_cp_lays_out_the_sequence_axis(model):
     base = HF if model else FAST
     valid = validate(compose_config([*base, *model, "parallelism=fsdp", "parallelism.cp=2"]))
-    assert (valid.dims.cp, valid.dims.dp_shard, valid.options.cp_attention) == (2, 1, "allgather")
+    assert (valid.dims.cp, valid.dims.dp_shard, valid.options.cp_attention) == (2, 1, "auto")
 
 
 @pytest.mark.parametrize(
@@ -28,8 +32,63 @@ def test_cp_lays_out_the_sequence_axis(model):
          r"^cp=2 with a HuggingFace 'gpt2' model: .* set cp=1"),
         ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=ring"],
          r"^parallelism.cp_attention='ring' is unknown"),
+        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=torch"],
+         r"^parallelism.cp_attention=torch runs torch's ring attention, whose kernels are CUDA's .* the ranks run on "
+         r"cpu; set parallelism.cp_attention=allgather or auto\.$"),
+        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_rotate=alltoall"],
+         r"^parallelism.cp_rotate=alltoall is for torch's ring attention, but parallelism.cp_attention=auto runs the "
+         r"all-gather attention on cpu; set parallelism.cp_rotate=allgather\.$"),
     ],
 )  # fmt: skip
 def test_a_cp_config_that_cannot_run_is_one_line(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate(compose_config(overrides))
+
+
+def test_auto_is_torchs_ring_on_cuda_and_the_all_gather_elsewhere():
+    assert (
+        resolve_cp_attention("auto", "allgather", "cuda") == resolve_cp_attention("auto", "alltoall", "gpu") == "torch"
+    )
+    assert resolve_cp_attention("torch", "alltoall", "cuda") == "torch"
+    assert resolve_cp_attention("auto", "allgather", "cpu") == resolve_cp_attention("allgather", "allgather", "cuda")
+    assert resolve_cp_attention("auto", "allgather", "cpu") == "allgather"
+    with pytest.raises(ValueError, match=r"^cp_attention=torch runs .* the ranks run on cpu; set cp_attention=allgat"):
+        resolve_cp_attention("torch", "allgather", "cpu")
+    with pytest.raises(ValueError, match=r"^cp_rotate='ring' is unknown; use allgather, alltoall\.$"):
+        resolve_cp_attention("torch", "ring", "cuda")
+
+
+def test_cp_rotate_reaches_the_options():
+    cfg = compose_config([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=torch",
+                          "parallelism.cp_rotate=alltoall"])  # fmt: skip
+    assert options_of(cfg).cp_rotate == "alltoall"
+
+
+@pytest.mark.parametrize(("seq_len", "cp"), [(8, 2), (24, 3), (64, 4)])
+def test_the_head_tail_split_is_torchs_load_balancer_order(seq_len: int, cp: int):
+    """torch's ring attention assumes its own head-tail layout; our shards go to it unpermuted: the two must agree."""
+    from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
+
+    torchs = _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices()[0].view(cp, -1)
+    for rank in range(cp):
+        assert torch.equal(torchs[rank].long(), head_tail_positions(seq_len, cp, rank))
+
+
+def test_torchs_ring_dispatcher_is_on_while_a_torch_attention_is_in_place():
+    """The cp attention turns torch's process-wide CP dispatcher (and its rotate method) on while it is in use."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import _attention as torch_cp
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    handlers = DTensor._op_dispatcher
+    first, second = TorchRingAttention(None, "alltoall"), TorchRingAttention(None, "alltoall")  # type: ignore[arg-type]
+    assert flash not in handlers._custom_op_handlers
+    first.enable()
+    second.enable()
+    assert flash in handlers._custom_op_handlers and torch_cp._cp_options.enable_load_balance
+    assert torch_cp._cp_options.rotate_method == torch_cp._RotateMethod.ALL_TO_ALL
+    first.disable()
+    assert flash in handlers._custom_op_handlers  # the second still runs
+    second.disable()
+    assert flash not in handlers._custom_op_handlers
+    assert torch_cp._cp_options.rotate_method == torch_cp._RotateMethod.ALL_GATHER  # torch's default again
