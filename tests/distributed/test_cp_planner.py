@@ -27,16 +27,15 @@ def test_cp_bytes_and_calls_are_the_planned_ones(name: str, tmp_path) -> None:
     assert_planned(result)  # every axis, bytes and calls
 
 
-def test_cp_spanning_the_world_is_reported_as_dp(tmp_path) -> None:
+def test_cp_spanning_the_world_is_reported_as_cp(tmp_path) -> None:
     """cp=2 on 2 ranks: torch gives every mesh axis that spans the world the default group, so the cp attention's
-    collectives and FSDP2's (``dp_shard_cp``) run on one group object, which the telemetry reports as ``dp``: the
-    planner's cp + dp is what it measures there."""
+    collectives and FSDP2's (``dp_shard_cp``, here the cp ranks) run on one group object, reported as ``cp`` (the
+    layout's only axis) by the telemetry and the planner alike."""
     result = run_app([*FAST, *STEPS, "parallelism=fsdp", "cluster.devices=2", "parallelism.cp=2",
                       "parallelism.dp_shard=1"], tmp_path)  # fmt: skip
     for kind in ("bytes", "calls"):
         predicted, measured = result["prediction"][f"communication {kind} per step, rank 0"]
-        assert predicted["cp"] > 0 and "cp" not in measured
-        assert measured == {"dp": sum(predicted.values())}
+        assert measured == predicted == {"cp": predicted["cp"]} and predicted["cp"] > 0
 
 
 #: Llama 3 8B's proportions (32 / 8 heads, 14336 / 4096 MLP, 128256 / 4096 vocabulary) at d_model 128, 4 blocks.
