@@ -19,6 +19,11 @@ Each implementation is a callable ``fn(q, k, v, scale=None) -> out`` with ``q`` 
   is exactly our split: the shards go in as they are. Partial results are merged in fp32.
 - ``"auto"``: ``torch`` on CUDA (falling back to ``allgather`` for a call whose shapes or dtype no such kernel
   takes), else ``allgather``.
+
+torch's ring is checked before it is trusted: the first call of each input kind (shapes, dtype, strides) also runs
+the exact all-gather attention and compares the two forwards (their largest difference over the cp group, relative
+to the output's scale; one host read per kind). A ring that disagrees is not used: ``auto`` falls back to the
+all-gather attention with one warning, ``torch`` stops with one line.
 """
 
 from __future__ import annotations
@@ -160,6 +165,9 @@ class AllGatherAttention:
 
 
 # ------------------------------------------------------------------------------------------- torch's ring
+#: Largest relative difference from the exact attention a ring kernel's forward may have, by dtype (rounding of the
+#: inputs and of the kernels' accumulation; a wrong causal offset or chunk order is off by O(1)).
+_AGREE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 #: The SDPA kernels torch's ring attention handles (torch 2.13 ``_sdpa_handler``): never the math fallback.
 _RING_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 _ring_users = 0  # TorchRingAttention uses enabled in this process: torch's CP dispatcher is on while > 0
@@ -189,6 +197,7 @@ class TorchRingAttention:
         self, mesh: DeviceMesh, rotate: str = "allgather", fallback: Callable[..., Tensor] | None = None
     ) -> None:
         self.mesh, self.rotate, self.fallback = mesh, rotate, fallback
+        self.reference = AllGatherAttention(mesh.get_group())  # what the ring's first call of each kind must equal
         self._repeat: dict[tuple[Any, ...], bool | None] = {}  # per input kind: repeat K/V heads? None: no ring kernel
         self.description = (
             f"torch's ring attention (CUDA flash / efficient / cuDNN SDPA on DTensors sharded over cp, head-tail "
@@ -212,7 +221,7 @@ class TorchRingAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         """``q`` (B, H, T_local, D), ``k`` / ``v`` (B, K, T_local, D) of this rank's tokens -> (B, H, T_local, D)."""
-        repeat = self._kernel_inputs(q, k, v)
+        repeat = self._kernel_inputs(q, k, v, scale)
         if repeat is None:
             if self.fallback is None:
                 raise ValueError(
@@ -220,6 +229,9 @@ class TorchRingAttention:
                     f"takes q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} here; set cp_attention=allgather (or auto)."
                 )
             return self.fallback(q, k, v, scale=scale)
+        return self._ring(q, k, v, scale, repeat)
+
+    def _ring(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, repeat: bool) -> Tensor:
         if repeat:  # a kernel without grouped-query support: K/V with H heads (their gradients summed back to K)
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         placement = [Shard(2)]
@@ -230,23 +242,43 @@ class TorchRingAttention:
             )
         return out.to_local()
 
-    def _kernel_inputs(self, q: Tensor, k: Tensor, v: Tensor) -> bool | None:
+    def _kernel_support(self, q: Tensor, k: Tensor, v: Tensor) -> bool | None:
         """Whether K/V must be repeated to H heads for a ring kernel (flash takes K heads), ``None`` if none runs."""
+        groups = q.shape[1] // k.shape[1]
+        if q.device.type != "cuda":
+            return None
+        if _ring_kernel_runs(q, k, v):
+            return False
+        if groups > 1 and _ring_kernel_runs(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)):
+            return True
+        return None
+
+    def _kernel_inputs(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> bool | None:
+        """:meth:`_kernel_support` for this input kind, once the ring's forward agreed with the exact attention."""
         key = (q.shape, k.shape, q.dtype, q.device, q.stride(-1), k.stride(-1), v.stride(-1), q.requires_grad)
-        if key not in self._repeat:
-            groups = q.shape[1] // k.shape[1]
-            if q.device.type != "cuda":
-                self._repeat[key] = None
-            elif _ring_kernel_runs(q, k, v):
-                self._repeat[key] = False
-            elif groups > 1 and _ring_kernel_runs(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)):
-                self._repeat[key] = True
-            else:
-                self._repeat[key] = None
-            if self._repeat[key] is None and self.fallback is not None:
-                warnings.warn(
-                    f"cp_attention=auto: no CUDA SDPA kernel of torch's ring attention takes q {tuple(q.shape)} "
-                    f"k {tuple(k.shape)} {q.dtype}; the all-gather attention runs for these calls.",
-                    stacklevel=3,
-                )
-        return self._repeat[key]
+        if key in self._repeat:
+            return self._repeat[key]
+        repeat = self._kernel_support(q, k, v)
+        why = f"no CUDA SDPA kernel of torch's ring attention takes q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype}"
+        if repeat is not None:
+            error = self._difference(q, k, v, scale, repeat)
+            if error > _AGREE.get(q.dtype, 1e-4):
+                repeat = None
+                why = (f"torch's ring attention differs from the exact attention by {error:.3g} (relative) on q "
+                       f"{tuple(q.shape)} {q.dtype}")  # fmt: skip
+                if self.fallback is None:
+                    raise ValueError(f"cp_attention=torch: {why}; set cp_attention=allgather.")
+        if repeat is None and self.fallback is not None:
+            warnings.warn(f"cp_attention=auto: {why}; the all-gather attention runs for these calls.", stacklevel=3)
+        self._repeat[key] = repeat
+        return repeat
+
+    def _difference(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, repeat: bool) -> float:
+        """The ring's forward against the all-gather attention's: largest difference over the cp group / largest
+        output (a host read, once per input kind)."""
+        with torch.no_grad():
+            q, k, v = q.detach(), k.detach(), v.detach()
+            got, want = self._ring(q, k, v, scale, repeat).float(), self.reference(q, k, v, scale=scale).float()
+            stats = torch.stack(((got - want).abs().max(), want.abs().max())).reshape(2)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+        return float(stats[0] / stats[1].clamp_min(1e-6))

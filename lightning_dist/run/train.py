@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.environment import is_global_zero, should_submit
-from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs, to_train_config
+from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.errors import PREEMPTED_EXIT_CODE
@@ -165,7 +165,8 @@ def _write_report(valid: ValidRun, result: RunResult) -> None:
     cfg, dims = valid.cfg, valid.dims
     result.ranks = _rank_rows(dims, result.rank_layouts)
     result.hardware = cfg.hardware.name
-    result.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    if isinstance(cfg.data, DataConfig):  # else a user's DataModule: the report counts tokens from the telemetry
+        result.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     write_summary(Path(result.output_dir), result.to_dict())
     if cfg.telemetry.report:
         result.report = str(render(Path(result.output_dir)))

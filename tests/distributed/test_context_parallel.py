@@ -4,6 +4,7 @@ inside as DiLoCo without). One spawned group of each size (1, 2, 4) runs every c
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from helpers import quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import MeshStrategy
@@ -21,6 +23,7 @@ from lightning_dist.models.gpt import GPTConfig, causal_attention
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
 from lightning_dist.parallel.context import AllGatherAttention, shard_sequence, unshard_sequence
+from lightning_dist.parallel.context_attention import TorchRingAttention
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 
@@ -115,6 +118,41 @@ def _attention(heads: int, kv_heads: int) -> dict[str, np.ndarray]:
     return {"got": gathered, "want": reference}
 
 
+class _StandInRing(TorchRingAttention):
+    """torch's ring stood in for on CPU (it has CUDA kernels only): the exact attention's output plus ``error``."""
+
+    def __init__(self, error: float, fallback: bool) -> None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+        super().__init__(mesh, fallback=AllGatherAttention(mesh.get_group()) if fallback else None)
+        self.error, self.ring_calls = error, 0
+
+    def _kernel_support(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return False  # a ring kernel takes these inputs as they are
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, repeat: bool) -> Any:
+        self.ring_calls += 1
+        return self.reference(q, k, v, scale=scale) + self.error
+
+
+def _ring_checked() -> dict[str, Any]:
+    """A ring that agrees with the exact attention is used (checked once per input kind); one that disagrees is not:
+    ``auto`` warns and runs the all-gather attention, ``torch`` stops."""
+    q, k, v = (torch.randn(1, n, SEQ // 2, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 2, 2))
+    out: dict[str, Any] = {}
+    for name, error in (("agrees", 0.0), ("differs", 1.0)):
+        ring = _StandInRing(error, fallback=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gaps = [float((ring(q, k, v) - ring.reference(q, k, v)).abs().max()) for _ in range(2)]
+        out[name] = {"gaps": gaps, "ring_calls": ring.ring_calls, "warnings": [str(w.message) for w in caught]}
+    try:
+        _StandInRing(1.0, fallback=False)(q, k, v)
+        out["refused"] = ""
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
+
+
 def _resumed(root: str, first: dict[str, int], then: dict[str, int]) -> dict[str, Any]:
     """Train ``STEPS - 1`` steps under ``first``, save, and resume under ``then`` for the last step. (A plain DataLoader
     resumed mid-epoch starts the epoch again in Lightning: the last step reads the first batch, in every layout.)"""
@@ -135,6 +173,7 @@ def _two_ranks(root: str) -> dict[str, Any]:
     out["resumed_tp2"] = _resumed(root, {"cp": 2}, {"tp": 2})
     out["resumed_cp2"] = _resumed(str(Path(root) / "from_tp2"), {"tp": 2}, {"cp": 2})
     out["diloco"] = _fit(2, dp_replicate=2, dp_shard=1, options=DILOCO)
+    out["ring_checked"] = _ring_checked()
     return out
 
 
@@ -231,6 +270,15 @@ def test_diloco_replicas_split_their_sequences_over_cp(two_ranks: list, four_ran
     assert not np.allclose(
         two_ranks[0]["diloco"]["params"]["model.head.weight"], two_ranks[1]["diloco"]["params"]["model.head.weight"]
     )
+
+
+def test_torchs_ring_is_used_only_where_it_agrees_with_the_exact_attention(two_ranks: list) -> None:
+    for rank in two_ranks:
+        agrees, differs = rank["ring_checked"]["agrees"], rank["ring_checked"]["differs"]
+        assert agrees["gaps"] == [0.0, 0.0] and agrees["ring_calls"] == 3 and not agrees["warnings"]  # 1 check + 2
+        assert differs["gaps"] == [0.0, 0.0] and differs["ring_calls"] == 1  # checked once, then all-gather
+        assert len(differs["warnings"]) == 1 and "differs from the exact attention by" in differs["warnings"][0]
+        assert rank["ring_checked"]["refused"].startswith("cp_attention=torch: torch's ring attention differs")
 
 
 def test_head_tail_round_trip_and_balance() -> None:
