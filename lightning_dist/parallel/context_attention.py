@@ -28,6 +28,7 @@ all-gather attention with one warning, ``torch`` stops with one line.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -197,13 +198,17 @@ class TorchRingAttention:
         self, mesh: DeviceMesh, rotate: str = "allgather", fallback: Callable[..., Tensor] | None = None
     ) -> None:
         self.mesh, self.rotate, self.fallback = mesh, rotate, fallback
-        self.reference = AllGatherAttention(mesh.get_group())  # what the ring's first call of each kind must equal
         self._repeat: dict[tuple[Any, ...], bool | None] = {}  # per input kind: repeat K/V heads? None: no ring kernel
         self.description = (
             f"torch's ring attention (CUDA flash / efficient / cuDNN SDPA on DTensors sharded over cp, head-tail "
             f"load balance, K/V rotate={rotate})"
             + ("; all-gather where no such kernel takes a call" if fallback else "")
         )
+
+    @functools.cached_property
+    def reference(self) -> AllGatherAttention:
+        """The exact attention the ring's first call of each input kind must equal."""
+        return AllGatherAttention(self.mesh.get_group())
 
     def enable(self) -> None:
         """Turn torch's CP dispatcher on (first user) with this attention's rotate method."""
