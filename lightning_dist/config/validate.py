@@ -44,8 +44,11 @@ class ValidRun:
 
     @property
     def layout(self) -> str:
-        """One line naming the strategy and the degrees, e.g. ``tensor_parallel: dp_replicate=1 ... (world 4)``."""
-        return f"{self.cfg.parallelism.strategy}: {self.dims.describe()}"
+        """One line naming the strategy and the degrees, e.g. ``tensor_parallel: dp_replicate=1 ... (world 4)``, and
+        the replicas' sync when it is not every step (``; sync=diloco H=50``)."""
+        par = self.cfg.parallelism
+        sync = f"; sync=diloco H={par.diloco.every}" if par.sync == "diloco" else ""
+        return f"{par.strategy}: {self.dims.describe()}{sync}"
 
 
 def validate(cfg: TrainConfig) -> ValidRun:

@@ -16,6 +16,7 @@ def test_the_preset_and_its_fields_reach_the_options():
     assert (options.sync, options.diloco_every, options.diloco_fragments) == ("diloco", 20, 2)
     assert (options.diloco_compression, options.diloco_delay, options.diloco_outer_lr) == ("int8", 3, 0.7)
     assert (valid.dims.dp_replicate, valid.dims.dp_shard) == (2, 1)
+    assert valid.layout.endswith("(world 2); sync=diloco H=20")  # the start-up line and the report say so
 
 
 @pytest.mark.parametrize(
