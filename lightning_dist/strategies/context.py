@@ -35,7 +35,10 @@ class ContextParallelMixin:
     @override
     def teardown(self) -> None:
         if self.lightning_module is not None:
-            undone = undo_context_parallel(self.lightning_module)
+            # Under pp the changes were made to the stages' views (position hooks, torch's ring dispatcher) too.
+            roots = [self.lightning_module, *getattr(getattr(self, "_pipeline", None), "views", ())]
+            records = [record for root in roots for record in undo_context_parallel(root).records]
+            undone = UndoneChanges(sorted(records, key=lambda record: record[1].order))  # redone oldest first
             if len(undone) or self._cp_undone is None:  # a second teardown before the next loop keeps the first's
                 self._cp_undone = undone
         super().teardown()  # type: ignore[misc]

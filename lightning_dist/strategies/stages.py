@@ -57,6 +57,7 @@ class PipelineStages:
         self.module = module
         self.spec = spec
         self.stage_ids = [stage.stage_index for stage in stages]
+        self.views = [stage.submod for stage in stages]  # the modules the stages run (pipeline.stage_view)
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.schedule = pipeline.build_schedule(schedule, stages, microbatches, spec.loss_fn)

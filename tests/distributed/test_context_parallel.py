@@ -22,7 +22,12 @@ from lightning_dist import MeshStrategy
 from lightning_dist.models.gpt import GPTConfig, causal_attention
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
-from lightning_dist.parallel.context import AllGatherAttention, shard_sequence, unshard_sequence
+from lightning_dist.parallel.context import (
+    AllGatherAttention,
+    shard_sequence,
+    undo_context_parallel,
+    unshard_sequence,
+)
 from lightning_dist.parallel.context_attention import TorchRingAttention
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
@@ -88,6 +93,8 @@ def _fit(
             trainer.lightning_module, DataLoader(_loader(1).dataset.tensors[0][:2], batch_size=2)
         )
         out["predicted"] = _whole(predicted[0]).numpy()
+    modules = [trainer.lightning_module, *getattr(strategy._pipeline, "views", ())]  # under pp, the stages' views too
+    out["cp_left"] = sum(len(undo_context_parallel(module)) for module in modules)  # after teardown: none left
     return out
 
 
@@ -255,6 +262,7 @@ def test_a_checkpoint_reshards_between_cp2_and_tp2(resumed: str, two_ranks: list
 def test_cp2_with_tp_fsdp_or_pp_matches_one_process(layout: str, four_ranks: list, reference: dict) -> None:
     for rank in four_ranks:
         _assert_same_run(rank[layout], reference)
+        assert rank[layout]["cp_left"] == 0  # teardown undid every cp change (under pp: the stage views' too)
     held = set().union(*(rank[layout]["params"] for rank in four_ranks))
     assert held == reference["params"].keys()  # every parameter checked on some rank (pp: each stage's own)
 
