@@ -1,9 +1,8 @@
 """Telemetry on CPU (gloo): per-axis communication counts, bytes and time against known values, and tokens/s.
 
-Each layout runs twice in the same ranks: once as is, once with a known sleep added to the collectives of one axis
-(patched in *under* the tracker, exactly where a slow link would show). The tracker must attribute the extra time to
-that axis (calls x delay, within 25%: the delay is large enough that machine load stays inside that margin) and to
-no other; counts and bytes must match what the model implies (5%).
+Each layout runs twice in the same ranks: as is, and with a known sleep added under the tracker to one axis's
+collectives (where a slow link would show). The extra time must land on that axis (calls x delay, within 25%, which
+machine load stays inside) and no other; counts and bytes must match what the model implies (5%).
 
 - dp through Lightning's DDPStrategy (C++ reducer -> our comm hook) with the full ``Telemetry`` callback.
 - dp (FSDP2 ``fully_shard``) and tp (DTensor) through raw torch on a 2 x 2 mesh (dp_shard x tp), the same torch
@@ -30,9 +29,7 @@ from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import CommTracker, OpStats, Telemetry, axis_groups_from_mesh
 
-# Seconds added to every call of the slowed axis. Large next to what a busy machine adds to a few tiny collectives
-# (a loaded 2-core run measured +28 ms where a 20 ms delay was injected): the 25% margins must hold under load.
-DELAY = 0.1
+DELAY = 0.1  # s per slowed call: large next to what load adds (a busy 2-core run measured +28 ms on a 20 ms delay)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -384,9 +381,8 @@ def test_ddp_injected_delay_lands_on_dp(ddp: list[dict[str, Any]]) -> None:
 
 def test_ddp_tokens_per_second_matches_the_test_clock(ddp: list[dict[str, Any]]) -> None:
     rank = ddp[0]
-    # Window 2 = optimizer steps 5..8 (0-based 4..7); the test's clock: from the end of step 4's telemetry hook
-    # (after its logging) to the start of step 8's. Reading the clock elsewhere (e.g. at the steps' starts) adds a
-    # data load and a logging sync at either end, which jitter by 10% of a window on a busy machine.
+    # Window 2 = steps 5..8: from the end of step 4's telemetry hook (after its logging) to the start of step 8's.
+    # Read at the steps' starts, a data load and a logging sync jitter by 10% of the window on a busy machine.
     tokens = rank["step_tokens"]
     seconds = rank["ends_before"][2 * EVERY - 1] - rank["ends_after"][EVERY - 1]
     expected = sum(tokens[EVERY : 2 * EVERY]) * len(ddp) / seconds
