@@ -85,7 +85,8 @@ class _Agreement:
     """The maximum of every rank's flag, reduced in the background: started now, read after the next step."""
 
     def __init__(self, flag: int, device: torch.device) -> None:
-        self._flag = torch.tensor([flag], dtype=torch.int32, device=device)
+        # A fill, not torch.tensor([flag]): that copies host memory to the device, which blocks the host on CUDA.
+        self._flag = torch.full((1,), flag, dtype=torch.int32, device=device)
         self._work = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)

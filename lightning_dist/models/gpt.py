@@ -294,9 +294,9 @@ class GPT(nn.Module):
             module_name, _, param_name = name.rpartition(".")
             module = self.get_submodule(module_name)
             if isinstance(module, (RMSNorm, nn.LayerNorm)) and param_name == "weight":
-                value = torch.ones(param.shape)
+                value = torch.ones(param.shape, device="cpu")
             elif param_name == "bias":
-                value = torch.zeros(param.shape)
+                value = torch.zeros(param.shape, device="cpu")
             else:
                 std = cfg.init_std
                 if module_name.endswith(("o_proj", "down_proj")):
@@ -305,7 +305,7 @@ class GPT(nn.Module):
                 generator = torch.Generator(device="cpu")
                 # One string hashed: the CPU generator keeps only 32 bits of its seed.
                 generator.manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
-                value = torch.nn.init.normal_(torch.empty(param.shape), 0.0, std, generator=generator)
+                value = torch.nn.init.normal_(torch.empty(param.shape, device="cpu"), 0.0, std, generator=generator)
             param.copy_(value.to(device=param.device, dtype=param.dtype))
 
     def forward(self, x: Tensor) -> Tensor:

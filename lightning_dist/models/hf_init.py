@@ -94,14 +94,14 @@ def _initial_value(model: nn.Module, name: str, shape: tuple[int, ...], std: flo
     module = model.get_submodule(module_name)
     kind = type(module).__name__
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if "Norm" in kind:  # RMSNorm / LayerNorm of every family (transformers matches norms by name too)
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     if getattr(model.config, "model_type", None) == "gpt2" and module_name.endswith("c_proj"):
         std = std / math.sqrt(2 * model.config.n_layer)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # one string: the generator keeps 32 bits
-    value = torch.empty(shape).normal_(0.0, std, generator=generator)
+    value = torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
     padding = getattr(module, "padding_idx", None) if isinstance(module, nn.Embedding) else None
     if padding is not None:
         value[padding] = 0.0

@@ -279,7 +279,9 @@ class DiLoCo:
     def empty_state(self, in_flight: Sequence[int], momentum: bool) -> dict[str, Any]:
         """Tensors laid out as :meth:`state_dict`'s, for DCP to load a saved state into (``in_flight``: the saved
         fragments in flight; ``momentum``: whether it has outer momentum)."""
-        empty = {f: torch.empty(sum(self.backup[n].numel() for n in self.fragments[f])) for f in in_flight}
+        empty = {
+            f: torch.empty(sum(self.backup[n].numel() for n in self.fragments[f]), device="cpu") for f in in_flight
+        }
         return self._tensors(empty, momentum=momentum and self.momentum is not None, copy=False)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -335,7 +337,9 @@ class DiLoCo:
                 state["average"][name] = like(name, flat[start : start + shape.numel()].view(shape))
                 start += shape.numel()
         if len(self.fragments) > 1:
-            state["fragment"] = {n: torch.tensor([f]) for f, names in enumerate(self.fragments) for n in names}
+            state["fragment"] = {
+                n: torch.tensor([f], device="cpu") for f, names in enumerate(self.fragments) for n in names
+            }
         return state
 
     def _exchange_bytes(self, f: int) -> int:

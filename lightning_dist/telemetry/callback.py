@@ -355,7 +355,7 @@ class Telemetry(pl.Callback):
         if not (dist.is_available() and dist.is_initialized()) or self._world_size == 1:
             return local, local
         keys = sorted(local)  # the same order on every rank
-        values = torch.tensor([local[k] for k in keys] + [-local[k] for k in keys], dtype=torch.float64)
+        values = torch.tensor([local[k] for k in keys] + [-local[k] for k in keys], dtype=torch.float64, device="cpu")
         # NCCL reduces device tensors only; gloo takes CPU ones.
         device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
         values = values.to(device)

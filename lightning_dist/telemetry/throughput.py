@@ -92,7 +92,7 @@ def parameter_count(module: torch.nn.Module, pp_group: Any = None) -> int:
     """
     count = sum(p.numel() for p in module.parameters())  # DTensor.numel() is the global size
     if pp_group is not None:
-        total = torch.tensor([count], dtype=torch.float64)
+        total = torch.tensor([count], dtype=torch.float64, device="cpu")
         if dist.get_backend(pp_group) == "nccl":
             total = total.cuda()
         dist.all_reduce(total, group=pp_group)

@@ -8,6 +8,11 @@ plain torch loop that trains the same GPT under the same layout (forward, backwa
 AdamW, LR schedule). Counted per optimizer step, over steps whose window holds no logging step
 (``trainer.log_every_n_steps=4``).
 
+Host-to-device transfers are counted too (:class:`HostTransfers`), which no read of a value shows: a tensor made
+from host data (``torch.tensor([flag], device=...)`` copies pageable host memory to the GPU, which blocks the host)
+and a blocking copy of such a tensor to a device (``.to(device)``, ``.cuda()``, ``copy_``). On this CPU machine
+source and target are the same memory, so the counter goes by the call, not by the devices.
+
 One read is allowed by name: the preemption flag agreed by a non-blocking all-reduce started a step earlier
 (``callbacks/preemption.py``: on CUDA it is a read of pinned host memory behind an event, not of device memory).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import csv
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import FAST, compose_config, losses, run_app
+from torch.overrides import TorchFunctionMode
 
 from lightning_dist.callbacks.preemption import _Agreement
 from lightning_dist.run.launch import launch
@@ -62,13 +69,57 @@ SETTINGS = [
 ]
 
 
+#: Tensors made from host data (Python numbers, lists, NumPy arrays): on a GPU a host-to-device copy of pageable
+#: memory, which the host waits for.
+FROM_HOST = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
+#: Copies to another device; on a GPU blocking unless ``non_blocking=True`` (Lightning's batch transfer is).
+COPIES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
+
+
+class HostTransfers(TorchFunctionMode):
+    """Counts, into ``reads.transfers``, what would move host data to the device in a step: every tensor made from
+    host data, and every blocking copy of such a tensor (made by ``FROM_HOST``, tracked weakly) to a device."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+        self._from_host: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # by id
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not self.reads._active:
+            return result
+        if func in FROM_HOST:
+            self._from_host[id(result)] = result
+            self.reads.count_transfer(func.__name__)
+        elif func in COPIES and not kwargs.get("non_blocking", False):
+            source = args[1] if func is torch.Tensor.copy_ else args[0]
+            if self._from_host.get(id(source)) is source and result is not source:
+                self.reads.count_transfer(func.__name__)
+        return result
+
+
+# A read's wrapper runs again from inside the mode (torch routes Tensor.item & co. through __torch_function__): that
+# second call is the same read, already counted where the caller made it.
+ALLOWED.add(HostTransfers.__torch_function__.__code__)
+
+
 class HostReads:
-    """Counts reads of tensor values and blocking host-side collectives, in this process, while ``counting``."""
+    """Counts reads of tensor values and blocking host-side collectives (``count``), and host-to-device transfers
+    (``transfers``, see :class:`HostTransfers`), in this process, while ``counting``."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.transfers = 0
         self.where: list[str] = []  # the first few callers, for the failure message
         self._active = False
+
+    def count_transfer(self, name: str) -> None:
+        self.transfers += 1
+        if len(self.where) < 20:
+            caller = sys._getframe(2)  # count_transfer <- __torch_function__ <- the torch function's caller
+            self.where.append(f"transfer {name} from {caller.f_code.co_filename}:{caller.f_lineno}")
 
     def _wrap(self, owner: Any, name: str) -> Callable[[], None]:
         original = getattr(owner, name)
@@ -99,7 +150,8 @@ class HostReads:
     def counting(self) -> Iterator[None]:
         self._active = True
         try:
-            yield
+            with HostTransfers(self):
+                yield
         finally:
             self._active = False
 
@@ -108,12 +160,14 @@ class CountSteps(pl.Callback):
     """The count between the ends of consecutive optimizer steps (everything Lightning and the callbacks did)."""
 
     def __init__(self, reads: HostReads) -> None:
-        self.reads, self.per_step, self.where, self._last = reads, {}, {}, 0
+        self.reads, self.per_step, self.transfers, self.where, self._last = reads, {}, {}, {}, (0, 0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.per_step[trainer.global_step] = self.reads.count - self._last
-        self.where[trainer.global_step] = list(self.reads.where)
-        self._last = self.reads.count
+        step, (reads, transfers) = trainer.global_step, self._last
+        self.per_step[step] = self.reads.count - reads
+        self.transfers[step] = self.reads.transfers - transfers
+        self.where[step] = list(self.reads.where)
+        self._last = (self.reads.count, self.reads.transfers)
         self.reads.where.clear()
 
 
@@ -123,7 +177,7 @@ def _library(cfg: Any, reads: HostReads) -> dict[str, Any]:
     counter = CountSteps(reads)
     with reads.counting():
         fit(cfg, callbacks=[counter])
-    return {"per_step": counter.per_step, "where": counter.where}
+    return {"per_step": counter.per_step, "transfers": counter.transfers, "where": counter.where}
 
 
 def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
@@ -170,10 +224,11 @@ def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     per_step: dict[int, int] = {}
+    transfers: dict[int, int] = {}
     for step, (inputs, targets) in enumerate(datamodule.train_dataloader(), start=1):
         if step > STEPS:
             break
-        before = reads.count
+        before, transfers_before = reads.count, reads.transfers
         with reads.counting():
             if layout == "pp2":
                 if rank == 0:
@@ -188,7 +243,8 @@ def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         per_step[step] = reads.count - before
-    return {"per_step": per_step}
+        transfers[step] = reads.transfers - transfers_before
+    return {"per_step": per_step, "transfers": transfers}
 
 
 def _all_layouts(configs: dict[str, Any]) -> dict[str, Any]:
@@ -223,12 +279,29 @@ def test_a_step_that_does_not_log_reads_no_more_than_a_plain_loop(counts: list[d
         )
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_that_does_not_log_moves_no_more_host_data_to_the_device_than_a_plain_loop(
+    counts: list[dict[str, Any]], layout: str
+) -> None:
+    for rank, result in enumerate(counts):
+        library, plain = result[layout]["library"], result[layout]["plain"]
+        ours = {step: library["transfers"][step] for step in QUIET_STEPS}
+        theirs = max(plain["transfers"][step] for step in QUIET_STEPS)
+        assert max(ours.values()) <= theirs, (
+            f"rank {rank}, {layout}: host-to-device transfers per step {ours} vs the plain loop's {theirs}; in step "
+            f"{QUIET_STEPS[-1]}: {library['where'][QUIET_STEPS[-1]]}"
+        )
+
+
 def test_logging_steps_are_counted(counts: list[dict[str, Any]]) -> None:
     """The counter sees the reads a logging step makes (the loss reduced and read): it can fail."""
     for result in counts:
         for layout in LAYOUTS:
             steps = result[layout]["library"]["per_step"]
             assert steps[LOG_EVERY] > 0 and steps[2 * LOG_EVERY] > 0, (layout, steps)
+            # Lightning's log() of a float (train/lr) makes a device tensor from it: the transfer counter sees it.
+            transfers = result[layout]["library"]["transfers"]
+            assert transfers[LOG_EVERY] > 0 and transfers[2 * LOG_EVERY] > 0, (layout, transfers)
 
 
 def test_plain_loops_train(counts: list[dict[str, Any]]) -> None:
