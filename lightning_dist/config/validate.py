@@ -51,8 +51,11 @@ class ValidRun:
         return f"{par.strategy}: {self.dims.describe()}{sync}"
 
 
-def validate(cfg: TrainConfig) -> ValidRun:
+def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     """Check ``cfg`` and return its resolved copy with its layout and options; ``cfg`` itself is not changed.
+
+    ``one_rank_here``: this machine runs one rank of the layout (:mod:`lightning_dist.run.rehearse`), so its devices
+    are not counted against ``cluster.devices``.
 
     Resolved: ``model.pretrained`` (a hub id into its cached folder, which ``init_from`` then names),
     ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
@@ -83,7 +86,7 @@ def validate(cfg: TrainConfig) -> ValidRun:
         raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
     if environment.should_submit(cluster):
         environment.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
-    else:
+    elif not one_rank_here:
         environment.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,17 @@ from lightning_dist.telemetry import LossHistory, Telemetry
 from lightning_dist.telemetry.history import merge_telemetry
 
 
-def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> RunResult:
+def fit(
+    run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = (), placement: Mapping[str, Any] | None = None
+) -> RunResult:
     """Train on this rank with Lightning's ``Trainer.fit``; returns this rank's summary (rank 0's is printed).
 
     Args:
         run: The checked run :func:`~lightning_dist.config.validate.validate` returned (the app's launcher hands
             every rank the same one), or a config to check here (a rank started some other way, e.g. by a test).
         callbacks: Extra Lightning callbacks.
+        placement: The ``Trainer`` arguments that place this process (``plugins``, ``devices``, ``num_nodes``);
+            ``None``: ``cluster.devices`` and ``cluster.num_nodes``, and the launcher's cluster environment.
     """
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*is not using a DistributedSampler.*")
@@ -86,11 +90,12 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
             "whichever comes first (trainer.max_steps=-1 trains by epochs only)",
             flush=True,
         )
+    if placement is None:
+        placement = {"plugins": lightning_environment(), "devices": cfg.cluster.devices,
+                     "num_nodes": cfg.cluster.num_nodes}  # fmt: skip
     trainer = pl.Trainer(
-        plugins=lightning_environment(),
+        **placement,
         accelerator=cfg.cluster.accelerator,
-        devices=cfg.cluster.devices,
-        num_nodes=cfg.cluster.num_nodes,
         strategy=build_strategy(cfg.parallelism.strategy, dims, valid.options),
         precision=cfg.cluster.precision,
         max_steps=args.max_steps,
