@@ -197,17 +197,10 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
     A user's own module is checked by the strategy when it is set up (its hooks name what is wrong).
     """
     par = cfg.parallelism
-    per_block = {
-        "activation_checkpointing": par.activation_checkpointing != "none",
-        "compile": par.compile,
-        "cpu_offload": par.cpu_offload,
-    }
-    for name in [name for name, used in per_block.items() if used and par.strategy == "ddp"]:
-        value = getattr(par, name)
-        shown = str(value).lower() if isinstance(value, bool) else value
+    if par.cpu_offload and par.strategy == "ddp":
         raise ValueError(
-            f"parallelism.{name}={shown} with parallelism=ddp (Lightning's DDP, which this does not reach): use "
-            "parallelism=fsdp or another of our layouts."
+            "parallelism.cpu_offload=true with parallelism=ddp: offloading moves FSDP2 shards to host memory and "
+            "Lightning's DDP holds none; use parallelism=fsdp."
         )
     options.check(dims, prefix="parallelism.", per_rank_batch=per_rank_batch if dims.pp_enabled else None)
     gpt = isinstance(cfg.model, GPTConfig)

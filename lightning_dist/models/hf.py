@@ -259,6 +259,7 @@ class HFCausalLM(pl.LightningModule):
         hparams = {"hf_config": config, "optim": asdict(self.optim_config), "max_steps": max_steps}
         self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams, logger=False)
         self.step_loss = StepLoss()
+        self._nonembedding_params: int | None = None
 
     def configure_model(self) -> None:
         """Build the model from its config on the meta device; outside our strategies' meta context (one device,
@@ -276,6 +277,23 @@ class HFCausalLM(pl.LightningModule):
         its one-process value (seeded by its name, see :func:`~lightning_dist.models.hf_init.init_causal_lm`), or
         zeros when ``random_init=False`` (the weights are read next); the rotary tables computed again."""
         init_causal_lm(self.model, self.init_seed, random=self.random_init)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), counted as for the built-in GPT (PaLM's estimate):
+        ``6 * N + 12 * L * H * Q * T`` with N the whole model's parameters but its input and position embeddings (a
+        tied head counted once, as the head), L layers, H query heads of width Q, T ``seq_len``. For the telemetry's
+        TFLOP/s and MFU; counted once, on a meta-device copy (this rank may hold a shard or a stage only)."""
+        if self._nonembedding_params is None:
+            whole = build_causal_lm(self.hf_model_config)
+            skip = {id(m.weight) for m in whole.modules() if isinstance(m, nn.Embedding)}
+            head = whole.get_output_embeddings()
+            if head is not None:
+                skip.discard(id(head.weight))
+            self._nonembedding_params = sum(p.numel() for p in whole.parameters() if id(p) not in skip)
+        config = self.hf_model_config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return float(6 * self._nonembedding_params + 12 * config.num_hidden_layers * heads * head_dim * seq_len)
 
     def compute_loss(self, batch: Any) -> Tensor:
         """The loss of one batch. No KV cache: a recomputed layer (activation checkpointing) would append to it."""

@@ -76,13 +76,11 @@ def parallelize(
         context = apply_context_parallel(module, cp_spec, mesh["cp"], options.cp_attention, options.cp_rotate)
     # 2. Activation checkpointing: after TP so the recomputation re-runs the parallelized layers, before FSDP2 so
     #    FSDP's hooks stay outside the checkpointed forward and all-gather the parameters again for it.
-    apply_activation_checkpointing(fsdp_units, options.activation_checkpointing, options.ac_selective)
     # 3. torch.compile per block: after TP / AC so the graphs hold the sharded layers and the recomputation, before
     #    FSDP2 so its all-gather / reduce-scatter hooks stay outside them. In place (Module.compile), so module and
     #    parameter names, hence plans and checkpoints, do not change; one block's graph serves every block.
     #    (ParallelOptions.check refused compile with tp before any rank started.)
-    if options.compile:
-        compile_blocks(fsdp_units)
+    apply_block_options(fsdp_units, options)
     # 4. FSDP2 / replication last, over the data-parallel axes and cp (cp ranks hold the same parameters; under
     #    DiLoCo dp_shard (x cp) only, a size-1 mesh at dp_shard=cp=1: parameters stay DTensors either way, so
     #    checkpoints and clipping take one path).
@@ -128,6 +126,14 @@ class Parallelized:
     """The FSDP2 units, in the order they were wrapped (``"a + b"``: modules sharing a parameter, one unit)."""
     context: str = ""
     """What context parallelism runs, in words; empty at ``cp=1``."""
+
+
+def apply_block_options(blocks: Sequence[nn.Module], options: ParallelOptions) -> None:
+    """Activation checkpointing, then ``torch.compile``, applied to each block in place (steps 2 and 3 of
+    :func:`parallelize`): the part of a layout that a replicated model under Lightning's DDP takes too."""
+    apply_activation_checkpointing(blocks, options.activation_checkpointing, options.ac_selective)
+    if options.compile:
+        compile_blocks(blocks)
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:

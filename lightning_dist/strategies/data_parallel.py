@@ -14,7 +14,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from typing_extensions import override
 
 from lightning_dist import _compat
+from lightning_dist.contract import declared_blocks
 from lightning_dist.parallel.clip import global_grad_norm
+from lightning_dist.parallel.compose import apply_block_options
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
@@ -24,7 +26,9 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     """Lightning's ``DDPStrategy`` (its C++ reducer, its hooks), except for data order: a loader's own sampler is
     dealt out by rank (global batch k = one process's batch k at world-size x the batch) instead of being replaced
     by a shuffling ``DistributedSampler``. The app's ``parallelism=ddp``. As the mesh strategies, it clips by the
-    norm the non-finite guard computes and logs it as ``train/grad_norm`` on logging steps.
+    norm the non-finite guard computes and logs it as ``train/grad_norm`` on logging steps, and applies activation
+    checkpointing and ``torch.compile`` to the blocks the module's ``pipeline_spec()`` names (``options``) before
+    DDP wraps the model.
     """
 
     strategy_name = "data_parallel"
@@ -45,9 +49,12 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
                 f"reduce_dtype={self.options.reduce_dtype!r} is FSDP2's; Lightning's DDP compresses its all-reduce "
                 "with ddp_comm_hook='bf16' (or fp16, powersgd)."
             )
+        if self.options.cpu_offload:
+            raise ValueError("cpu_offload=true offloads FSDP2 shards; Lightning's DDP holds none: use MeshStrategy.")
         kwargs.setdefault("process_group_backend", self.options.process_group_backend)
         kwargs.setdefault("timeout", self.options.timeout)
         super().__init__(*args, **kwargs)
+        self._blocks_done = False
 
     @override
     def configure_ddp(self) -> None:
@@ -72,7 +79,11 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
         own = is_overridden("configure_gradient_clipping", trainer.lightning_module)
         if trainer.gradient_clip_val is not None and by_norm and not own:
             self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
-        super().setup(trainer)
+        per_block = self.options.compile or self.options.activation_checkpointing != "none"
+        if per_block and not self._blocks_done:  # once: a later validate / test reuses the compiled blocks
+            apply_block_options(declared_blocks(trainer.lightning_module), self.options)
+            self._blocks_done = True
+        super().setup(trainer)  # DDP wraps the model: its hooks stay outside the compiled blocks
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

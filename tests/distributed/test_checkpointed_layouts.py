@@ -42,8 +42,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "parallelism.activation_checkpointing=selective",
             "parallelism.ac_selective=2",
         ],
+        ["parallelism=ddp", "cluster.devices=2", "parallelism.activation_checkpointing=full"],
     ],
-    ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "fsdp2-op_half", "pp2-op_half", "pp2-every2"],
+    ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "fsdp2-op_half", "pp2-op_half", "pp2-every2", "ddp2-full"],
 )
 def test_checkpointed_layouts_match_one_process(layout: list[str], reference: dict, tmp_path: Path) -> None:
     result = run_app([*FAST, *layout], tmp_path)
@@ -58,7 +59,5 @@ def test_checkpointing_is_refused_where_it_cannot_reach() -> None:
 
     from lightning_dist.config.validate import validate
 
-    with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing=full with parallelism=ddp"):
-        validate(compose_config([*FAST, "parallelism.activation_checkpointing=full"]))
     with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing='some' is unknown"):
         validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.activation_checkpointing=some"]))

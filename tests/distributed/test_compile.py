@@ -37,8 +37,12 @@ def _fit(cfg) -> dict:
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallelism=fsdp", "parallelism.activation_checkpointing=selective"], ["parallelism=pp"]],
-    ids=["fsdp2-op-ac", "pp2"],
+    [
+        ["parallelism=fsdp", "parallelism.activation_checkpointing=selective"],
+        ["parallelism=pp"],
+        ["parallelism=ddp"],  # the default layout: Lightning's DDP wraps the compiled blocks
+    ],
+    ids=["fsdp2-op-ac", "pp2", "ddp2"],
 )
 def test_compiled_blocks_give_the_eager_curve(layout: list[str], tmp_path: Path) -> None:
     eager = run_app([*FAST, "parallelism=fsdp", "cluster.devices=1"], tmp_path / "eager")
@@ -54,8 +58,6 @@ def test_compile_is_refused_where_it_cannot_reach() -> None:
     from lightning_dist.config.validate import validate
     from lightning_dist.parallel.compose import compile_blocks
 
-    with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism=ddp"):
-        validate(compose_config([*FAST, "parallelism.compile=true"]))
     with pytest.raises(ValueError, match=r"parallelism.compile=true with parallelism.tp=2: torch's compiled backward"):
         validate(compose_config([*FAST, "parallelism=tp", "parallelism.compile=true"]))
     with pytest.raises(ValueError, match=r"compile=true compiles the model's blocks one by one: define pipeline_spec"):

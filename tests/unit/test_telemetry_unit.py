@@ -143,3 +143,19 @@ def test_flops_are_estimated_from_parameters_when_the_module_states_none() -> No
     stated = Telemetry(log_every_n_steps=2, peak_tflops=1.0, print_summary=False)
     _fit_one_process(_Regression(), stated)
     assert "perf/flops_estimated" not in stated.history[-1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_huggingface_llama_counts_the_flops_of_the_same_shape_gpt(tied: bool) -> None:
+    """The telemetry's MFU of model=hf: the same FLOPs per token as the built-in GPT of the same shape (6N without
+    embeddings, plus attention's 12 L H Q T), not 6 x every parameter (which left attention out: -9% on a 1B)."""
+    from transformers import LlamaConfig
+
+    from lightning_dist.models.gpt import GPT, GPTConfig
+    from lightning_dist.models.hf import HFCausalLM
+
+    gpt = GPT(GPTConfig(vocab_size=256, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                        tie_embeddings=tied))  # fmt: skip
+    hf = HFCausalLM(LlamaConfig(vocab_size=256, num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied))  # fmt: skip
+    assert hf.flops_per_token(128) == gpt.flops_per_token(128)
