@@ -17,7 +17,8 @@ PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all test-unit test-distributed test-torch-floor reproduce lint format benchmark clean
+.PHONY: install train test test-all test-unit test-distributed test-torch-floor reproduce lint format benchmark clean \
+	gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,25 @@ test-torch-floor:
 # Every CPU recipe against its golden file (loss per step, resumed at half; tokens/s and memory within bands).
 reproduce: install
 	for recipe in tiny_ddp_cpu tiny_tp_cpu tiny_pp_cpu; do $(BIN)/lightning-dist-reproduce $$recipe || exit 1; done
+
+# On a GPU machine, one command (at most ~8 minutes on one H100, no network): the GPU tests (every layout's first and
+# last rank rehearsed on the one GPU, no host sync on quiet steps, an async checkpoint resumed), the app against a plain
+# loop (eager and compiled, GPT and HF Llama at 1.24B), one table into docs/benchmarks.md. It runs on the GPU image's own
+# python (torch, Lightning, transformers) from this checkout; what that image lacks (Hydra, OmegaConf) comes from .whl/,
+# made beforehand by `make gpu-wheels` on a machine with network.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/lightning-dist-gpu-site
+gpu-check:
+	@if ! $(GPU_PYTHON) -c "import hydra, omegaconf" 2>/dev/null; then \
+	  test -d .whl || { echo "gpu-check: Hydra / OmegaConf are missing and .whl/ is absent; run 'make gpu-wheels' where there is network"; exit 1; }; \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$$PWD:$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --write-docs $(ARGS)
+
+# The pure-Python wheels a GPU image usually lacks, for `make gpu-check` there (antlr4 ships as an sdist: built here).
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+	$(BIN)/python -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 lint: install
 	$(BIN)/ruff check .

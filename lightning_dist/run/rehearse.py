@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,8 @@ def rehearse(cfg: TrainConfig, rank: int, callbacks: Sequence[pl.Callback] = ())
     # One node of `world` devices, as far as the checks go: the Trainer sees one device per node below.
     cfg.cluster.devices, cfg.cluster.num_nodes = world, 1
     valid = validate(cfg, one_rank_here=True)
+    # This process is local rank 0 of its own one-device node, whatever launched it (the device mesh reads it).
+    os.environ["LOCAL_RANK"] = "0"
     _compat.init_fake_process_group(rank, world)
     cuda = valid.cfg.cluster.accelerator == "gpu" and torch.cuda.is_available()
     if cuda:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from helpers import FAST, losses, run_app
+from sync_debug import NoSyncBetweenQuietSteps
 
 pytestmark = pytest.mark.gpu
 
@@ -22,41 +23,10 @@ def test_bf16_fsdp2_matches_fp32_within_bf16_rounding(tmp_path: Path) -> None:
         assert abs(a - b) / b < 2e-2
 
 
-class _NoSyncBetweenQuietSteps:
-    """Turns ``torch.cuda.set_sync_debug_mode("error")`` on from the end of a step that does not log to the end of
-    the next one, when that one does not log either: Lightning's loop, the data transfer, the module, the strategy,
-    the guard, the optimizer and every default callback run in between. A synchronization there raises."""
-
-    def __new__(cls, log_every: int):
-        import lightning.pytorch as pl
-        import torch
-
-        class _Strict(pl.Callback):
-            def __init__(self) -> None:
-                self.checked: list[int] = []
-                self._on = False
-
-            def on_train_batch_end(self, trainer, *args) -> None:
-                step = trainer.global_step
-                if self._on:
-                    torch.cuda.set_sync_debug_mode("default")
-                    self._on = False
-                    self.checked.append(step)
-                quiet = step % log_every and (step + 1) % log_every and step + 1 < trainer.max_steps
-                if step > 1 and quiet:  # after the first step (allocator and kernel warm-up)
-                    torch.cuda.set_sync_debug_mode("error")
-                    self._on = True
-
-            def on_train_end(self, trainer, *args) -> None:
-                torch.cuda.set_sync_debug_mode("default")
-
-        return _Strict()
-
-
 def _fit_without_syncs(cfg) -> list[int]:
     from lightning_dist.run.fit import fit
 
-    strict = _NoSyncBetweenQuietSteps(cfg.trainer.log_every_n_steps)
+    strict = NoSyncBetweenQuietSteps(cfg.trainer.log_every_n_steps)
     fit(cfg, callbacks=[strict])
     return strict.checked
 
@@ -71,3 +41,13 @@ def test_steps_that_do_not_log_never_synchronize_the_gpu(parallelism: str, tmp_p
     cfg = compose_config([*FAST, *settings, "cluster=gpu", f"parallelism={parallelism}"], tmp_path)
     checked = launch(_fit_without_syncs, 1, cfg)[0]
     assert checked == [3, 4, 7, 8, 9], checked  # quiet pairs (2,3) (3,4) (6,7) (7,8) (8,9): none synchronized
+
+
+def test_an_async_sharded_checkpoint_resumes_in_a_new_folder_bit_identically(tmp_path: Path) -> None:
+    """FSDP2, bf16, a background (DCP async) save at step 5 on CUDA; a new run from it repeats steps 6-10."""
+    saving = ["cluster=gpu", "parallelism=fsdp", "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=5",
+              "checkpoint.async_save=true"]  # fmt: skip
+    whole = run_app([*FAST, *saving], tmp_path / "whole")
+    half = tmp_path / "whole" / "checkpoints" / "step-00000005"
+    resumed = run_app([*FAST, *saving, f"ckpt_path={half}"], tmp_path / "resumed")
+    assert losses(resumed) == losses(whole)[5:]
