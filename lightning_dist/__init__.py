@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,6 @@ from lightning_dist.lazy import lazy_exports
 def _package_version() -> str:
     """The installed distribution's version (pyproject.toml's, one source of truth); a source tree that was never
     installed reports ``0+unknown``."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("lightning-dist")
     except PackageNotFoundError:
