@@ -193,6 +193,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Debugging aids (``debug=fdr|overfit|profile|memory`` sets these and the Trainer's own; docs/how-to/debug.md)."""
+
+    profile: bool = False
+    """Trace optimizer steps profile_from..profile_to with torch.profiler (CPU and CUDA activity, shapes, memory):
+    one Chrome-trace JSON per rank in <run>/profile/, opened at https://ui.perfetto.dev."""
+    profile_from: int = 5
+    """The first step traced (1-based: the step trainer/global_step reads after it); the steps before warm up."""
+    profile_to: int = 7
+    """The last step traced."""
+    memory: bool = False
+    """CUDA memory history from the first step (every allocation, with its stack) and a snapshot of it per rank at the
+    end and on an out-of-memory error, in <run>/memory/ (open at https://pytorch.org/memory_viz). CUDA only."""
+    memory_max_entries: int = 100000
+    """Allocation events the history keeps (the newest)."""
+
+    def check(self, accelerator: str, max_steps: int) -> None:
+        """One line before launch for a window that cannot be traced or a memory history without CUDA."""
+        if self.profile and not 1 <= self.profile_from <= self.profile_to:
+            raise ValueError(
+                f"debug.profile_from={self.profile_from}, profile_to={self.profile_to}: need 1 <= from <= to."
+            )
+        if self.profile and 0 < max_steps < self.profile_to:
+            raise ValueError(f"debug.profile_to={self.profile_to} is past trainer.max_steps={max_steps}; lower it.")
+        if self.memory and accelerator != "gpu":
+            raise ValueError(
+                f"debug=memory records CUDA memory history; cluster.accelerator={accelerator} has none: use "
+                "debug=profile (its trace has the CPU profiler's memory view) or cluster=gpu."
+            )
+
+
+@dataclass
 class TargetConfig:
     """Your own class, built by Hydra from ``_target_`` (its import path) and its keyword arguments.
 
@@ -257,6 +289,8 @@ class TrainConfig:
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """lightning-dist-plan: which layouts to search and how to show them."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Debugging aids: a profiler trace of chosen steps, CUDA memory snapshots (debug=fdr|overfit|profile|memory)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Your Lightning callbacks by name, each built from ``_target_`` and its arguments: ``callbacks=best`` (the best
     ``val/loss`` checkpoint and early stopping), or ``+callbacks.stop._target_=lightning.pytorch.callbacks.EarlyStopping

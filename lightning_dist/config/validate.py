@@ -166,6 +166,7 @@ def _check_run_fields(cfg: TrainConfig) -> None:
             )
     check_loggers(cfg.logger)
     check_trainer(trainer)
+    cfg.debug.check(cfg.cluster.accelerator, trainer.max_steps)
     if every.every_n_steps is not None and every.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
     if every.every_n_minutes is not None and every.every_n_minutes <= 0:

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
+from lightning_dist.callbacks.debug import CudaMemoryHistory, ProfileSteps
 from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
@@ -83,6 +84,10 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
     if cfg.cluster.num_nodes > 1:
         all_callbacks.append(SharedFolderCheck(out_dir))
+    debug = cfg.debug
+    profiler = ProfileSteps(out_dir / "profile", debug.profile_from, debug.profile_to) if debug.profile else None
+    all_callbacks += [profiler] if profiler else []
+    all_callbacks += [CudaMemoryHistory(out_dir / "memory", debug.memory_max_entries)] if debug.memory else []
     users = [instantiate(node) for node in cfg.callbacks.values()]  # callbacks=... / +callbacks.<name>._target_=
     for callback in users:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -152,7 +157,11 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         preempted=preemption.signal_name,
         wandb_dir=finish_wandb(loggers[wandb_name]) if wandb_name is not None else None,
         csv=next((where(log) for log in loggers.values() if isinstance(log, CSVLogger)), None),
-        logs={name: where(log) for name, log in loggers.items() if where(log) and not isinstance(log, CSVLogger)},
+        logs={
+            **{name: where(log) for name, log in loggers.items() if where(log) and not isinstance(log, CSVLogger)},
+            **({"profile trace": str(profiler.trace)} if profiler and profiler.trace else {}),
+            **({"memory": str(out_dir / "memory")} if debug.memory else {}),
+        },
     )
 
 
