@@ -44,7 +44,10 @@ def test_profile_writes_a_chrome_trace_of_the_chosen_steps(tmp_path: Path, quiet
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["debug=memory"], r"^debug=memory records CUDA memory history; cluster.accelerator=cpu has none: use debug=pr"),
+        (
+            ["debug=memory"],
+            r"^debug=memory records CUDA memory history; cluster.accelerator=cpu has none: use debug=pr",
+        ),
         (["debug=profile", "trainer.max_steps=5", "debug.profile_to=8"], r"^debug.profile_to=8 is past trainer.max_s"),
         (["debug=profile", "debug.profile_from=4", "debug.profile_to=3"], r"^debug.profile_from=4, profile_to=3: need"),
     ],
