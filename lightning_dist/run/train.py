@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.environment import is_global_zero, should_submit
+from lightning_dist.config.help import help_text
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
@@ -45,6 +46,8 @@ register_configs()
 
 def main() -> None:
     """Console-script entry point; errors are one line on stderr and a non-zero exit."""
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        _help(sys.argv[1:])
     for arg in sys.argv[1:]:  # before Hydra, whose message ("not in struct mode") would not say where they went
         key = arg.lstrip("+~").split("=", 1)[0]
         if key.startswith("trainer.") and key.removeprefix("trainer.") in MOVED:
@@ -56,6 +59,20 @@ def main() -> None:
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
     _hydra_main()
+
+
+def _help(args: list[str]) -> None:
+    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours, from the schema's docstrings (Hydra's own is
+    ``--hydra-help``). Exits 0, or 2 naming the closest topics for one that does not exist."""
+    flag = next(i for i, arg in enumerate(args) if arg in ("--help", "-h"))
+    after = args[flag + 1] if flag + 1 < len(args) else ""
+    topic = after if after and not after.startswith("-") and "=" not in after else None
+    text, found = help_text(topic, [arg for arg in args if "=" in arg and not arg.startswith("-")])
+    try:
+        print(text, file=sys.stdout if found else sys.stderr, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0 if found else 2)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
