@@ -81,7 +81,7 @@ class ClusterConfig:
     """torch.distributed backend; None = gloo on CPU, nccl on CUDA."""
     collective_timeout_s: float = 600.0
     """A collective that waits this long ends the job (torch's process-group timeout); on NCCL the flight recorder
-    then writes what every rank was doing to ``<run>/flight_recorder/`` (docs/failures.md)."""
+    then writes what every rank was doing to ``<run>/flight_recorder/`` (docs/how-to/failures.md)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None = looked up from the GPU name (omitted on CPU)."""
     launcher: str = "local"
@@ -150,7 +150,7 @@ class PlanConfig:
 
 @dataclass
 class TelemetryConfig:
-    """What the run measures and reports (:class:`lightning_dist.Telemetry`; docs/telemetry.md)."""
+    """What the run measures and reports (:class:`lightning_dist.Telemetry`; docs/concepts/telemetry.md)."""
 
     enabled: bool = True
     """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
