@@ -2,8 +2,9 @@
 
 The names below are imported on first use (PEP 562), so a process that only checks a config and starts ranks (the
 ``lightning-dist-train`` launcher) never imports torch or Lightning. ``import lightning_dist`` still registers
-``"tensor_parallel"`` and ``"pipeline_parallel"`` in Lightning's ``StrategyRegistry``: at once when Lightning is
-loaded, else the moment it is (no ``Trainer`` can look a name up before that).
+``"mesh"``, ``"fsdp2"``, ``"tensor_parallel"`` and ``"pipeline_parallel"`` in Lightning's ``StrategyRegistry``: at
+once when Lightning is loaded, else the moment it is (no ``Trainer`` can look a name up before that). Lightning's own
+``"fsdp"`` is FSDP1; ``"fsdp2"`` and ``"mesh"`` are FSDP2.
 """
 
 from __future__ import annotations
@@ -13,10 +14,21 @@ import importlib.abc
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from lightning_dist.lazy import lazy_exports
+
+
+def _package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, one source of truth); a source tree that was never
+    installed reports ``0+unknown``."""
+    try:
+        return version("lightning-dist")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 if TYPE_CHECKING:
     from lightning_dist.contract import ParallelModule
@@ -47,7 +59,7 @@ __all__ = [
     "Telemetry",
     "TensorParallelStrategy",
 ]
-__version__ = "0.1.0"
+__version__ = _package_version()
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

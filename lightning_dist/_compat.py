@@ -38,11 +38,9 @@ def disable_inference_mode(trainer) -> None:
 def logs_this_step(trainer: Any) -> bool:
     """Whether the optimizer step now running sends its logged values to the loggers.
 
-    Lightning's own rule (``_LoggerConnector.should_update_logs``: every ``log_every_n_steps`` steps counted by the
-    fit loop's private ``_batches_that_stepped``, and when the trainer stops), plus ``fast_dev_run`` and the last
-    step of ``max_steps``, so that the values left in ``trainer.callback_metrics`` at the end are the last step's.
-    The same answer in ``training_step``, the strategy's ``optimizer_step`` and ``on_train_batch_end`` of one step.
-    """
+    Lightning's own rule (``_LoggerConnector.should_update_logs``, counted by the private ``_batches_that_stepped``)
+    plus ``fast_dev_run`` and the last step of ``max_steps`` (so ``callback_metrics`` end with the last step's). The
+    same answer in ``training_step``, the strategy's ``optimizer_step`` and ``on_train_batch_end`` of one step."""
     if trainer.fast_dev_run or trainer._logger_connector.should_update_logs:
         return True
     return 0 < trainer.max_steps <= trainer.fit_loop.epoch_loop._batches_that_stepped + 1
@@ -51,10 +49,9 @@ def logs_this_step(trainer: Any) -> bool:
 def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
     """Turn off the SIGTERM check Lightning's training loop makes before every batch; returns the undo.
 
-    Lightning 2.6 broadcasts rank 0's ``trainer.received_sigterm`` and reads it back (``.item()``) before each batch
-    (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a host read per step. A callback
-    that replaces Lightning's SIGTERM handler and agrees on signals itself (``callbacks/preemption.py``) makes that
-    flag always false, so the broadcast is pure cost; it is dropped for this trainer's loop only."""
+    Lightning 2.6 broadcasts rank 0's ``trainer.received_sigterm`` and reads it back before each batch
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a host read per step. Our callback
+    agrees on signals itself (``callbacks/preemption.py``), so it is dropped for this trainer's loop only."""
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(loop, "_broadcast_sigterm_tensor"):
         return lambda: None
@@ -83,21 +80,16 @@ def optimizers_to_device(optimizers, device) -> None:
 def step_supports_found_inf(optimizer: Any) -> bool:
     """Whether ``optimizer.step()`` honours ``optimizer.found_inf`` (a float tensor, 1.0 = skip the update).
 
-    torch's optimizers with a fused kernel (``AdamW(fused=True)``, ``Adam``, ``SGD``, ``Adagrad``) set the private
-    ``_step_supports_amp_scaling``; ``torch.amp.GradScaler.step`` reads the same flag before it hands them its
-    ``found_inf``, and their kernels then leave parameters, state and the step counter as they were, on the device.
-    """
+    torch's fused optimizers (``AdamW(fused=True)``, ``Adam``, ``SGD``, ``Adagrad``) set the private
+    ``_step_supports_amp_scaling`` that ``GradScaler.step`` reads; their kernels then skip the update on the device."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def functional_collectives_module() -> ModuleType:
     """``torch.distributed._functional_collectives`` (private): the module DTensor calls as ``funcol.<name>``.
 
-    DTensor's placements and redistribute look the functions up on this module at call time
-    (``funcol.all_reduce``, ``funcol.all_gather_single``, ``funcol.reduce_scatter_single`` in torch 2.13;
-    ``funcol.all_gather_tensor`` / ``funcol.reduce_scatter_tensor`` before), so the communication tracker replaces
-    those module attributes while it is installed.
-    """
+    DTensor looks the functions up on this module at call time (``funcol.all_reduce``, ``all_gather_single``,
+    ``reduce_scatter_single`` in torch 2.13), so the communication tracker replaces them while it is installed."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol
@@ -127,16 +119,16 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
 
 def checkpoint_metadata_file() -> str:
     """The file in a Lightning sharded checkpoint folder that holds everything but model and optimizer state."""
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from lightning.fabric.utilities.load import _METADATA_FILENAME as NAME
 
-    return _METADATA_FILENAME
+    return NAME
 
 
 def run_atexit_handlers() -> None:
     """Run the interpreter's ``atexit`` handlers now (``atexit._run_exitfuncs``, private to CPython).
 
-    The launcher ends a finished rank with ``os._exit`` to skip a shutdown that can abort in gloo's destructors; the
-    handlers (W&B's, logging's) must still run first, while the interpreter is whole."""
+    The launcher ends a finished rank with ``os._exit`` (gloo's destructors can abort a shutdown); the handlers (W&B's,
+    logging's) must still run first."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -168,10 +160,8 @@ def setup_distributed(strategy: Any) -> None:
 def init_after_torchrun_restart(strategy: Any) -> None:
     """After a torchrun restart, init the process group on a store prefixed by the attempt (Lightning then skips it).
 
-    torchrun's agent keeps one TCPStore for every attempt (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.13's
-    ``env://`` no longer prefixes keys by attempt; a restarted rank can read the dead attempt's gloo addresses and
-    fail to connect ("Connection refused", seen in one start of three here).
-    """
+    torchrun's agent keeps one TCPStore for every attempt (``TORCHELASTIC_USE_AGENT_STORE``) and torch 2.13's
+    ``env://`` no longer prefixes keys by attempt: a restarted rank could read the dead attempt's gloo addresses."""
     import os
     from datetime import timedelta
 
@@ -194,8 +184,7 @@ def init_after_torchrun_restart(strategy: Any) -> None:
 def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
     """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` and ``LightningModule.device_mesh``.
 
-    Both properties are read-only views of private attributes that ``ModelParallelStrategy.setup_environment`` sets
-    to a mesh of its own; a hand-written ``configure_model`` reads the axes from ``self.device_mesh``."""
+    Both are read-only views of private attributes ``ModelParallelStrategy.setup_environment`` sets to its own mesh."""
     strategy._device_mesh = mesh
     module._device_mesh = mesh
 
@@ -207,9 +196,8 @@ def fsdp_offload_policy(module: Any) -> Any:
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
-    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend: collectives return at once
-    without moving data, so one process can trace what any rank of a big job would build. Its store lives in
-    torch's testing package (``torch.testing._internal.distributed.fake_pg``)."""
+    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend (collectives return at once, so
+    one process traces any rank of a big job); its store is in ``torch.testing._internal.distributed.fake_pg``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -235,6 +223,20 @@ def mem_tracker() -> Any:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
+
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Record CUDA allocations with their stacks, the newest ``max_entries`` kept (``_record_memory_history``)."""
+    from torch.cuda.memory import _record_memory_history
+
+    _record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the history and the allocator's state to ``path`` (``_dump_snapshot``; https://pytorch.org/memory_viz)."""
+    from torch.cuda.memory import _dump_snapshot
+
+    _dump_snapshot(path)
 
 
 # --------------------------------------------------------------------------------------------- nn.Module surgery
@@ -369,9 +371,7 @@ def torch_ring_attention(on: bool, rotate: str = "allgather") -> None:
 def set_attn_implementation(config: Any, name: str) -> None:
     """Make models built from the transformers ``config`` use the attention implementation ``name`` (``"sdpa"``...).
 
-    transformers (4.x to 5.x) has no public setter on a config: ``from_pretrained(attn_implementation=...)`` sets
-    the private ``PretrainedConfig._attn_implementation`` (a property that also sets it on sub-configs), as here.
-    """
+    transformers (4.x to 5.x) has no public setter: ``from_pretrained`` sets the private ``_attn_implementation``."""
     config._attn_implementation = name
 
 

@@ -89,11 +89,33 @@ def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:
     assert b"train/loss" in data and b"val/loss" in data
     for key in (b"perf/tokens_per_sec", b"perf/step_ms", b"comm/dp/ms", b"comm/dp/busbw_gbps", b"memory/"):
         assert key in data, key  # telemetry reaches the W&B run
+    # The summary names every output, and the app's own lines are in the run folder's log file too.
+    assert summary["report"] == str(tmp_path / "run" / "report.html") and Path(summary["report"]).is_file()
+    assert summary["log file"] == str(tmp_path / "run" / "train.log")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "run directory : " in log and "Telemetry summary" in log and f"W&B run       : {runs[0]}" in log
+    assert _warnings_from_our_code(result.stderr) == []
     checkpoints = tmp_path / "run" / "checkpoints"
     steps = int(summary["steps"].split()[0])
     assert (checkpoints / "latest").read_text().strip() == f"step-{steps:08d}"  # published at the end of training
     assert (checkpoints / f"step-{steps:08d}").is_file()  # Lightning's DDP writes one file
     _check_report(tmp_path / "run", world=2)
+
+
+#: Warnings the default run showed before, each caused by our code: Lightning's advice for a tensor logged without
+#: sync_dist (val/loss, val/ppl), its note when a checkpoint save does not say weights_only, wandb's for anonymous=None.
+CAUSED_BY_US = ("sync_dist=True", "`weights_only` was not set", "anonymous setting")
+
+
+def _warnings_from_our_code(stderr: str) -> list[str]:
+    """Warning lines on stderr raised in our package, naming our metric keys, or known to come from our calls."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if re.search(r"lightning_dist/\S+\.py:\d+: ", line)
+        or re.search(r"Warning.*'(train|val|perf|comm|memory)/", line)
+        or any(cause in line for cause in CAUSED_BY_US)
+    ]
 
 
 def _check_report(run_dir: Path, world: int) -> None:

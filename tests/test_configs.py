@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import CONF_DIR, compose_config, fresh_env
 
+from lightning_dist.config.loggers import check_loggers
 from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.models.gpt import GPT
 
@@ -60,7 +61,10 @@ def test_group_combinations_compose_with_typed_fields(model: str, parallelism: s
 def test_data_and_logger_groups_compose(data: str, logger: str) -> None:
     overrides = [f"data={data}", f"logger={logger}"] + ([] if data == "synthetic" else ["data.path=somewhere"])
     cfg = compose_config(overrides)
-    assert cfg.data.kind == data and cfg.logger.kind == logger
+    assert cfg.data.kind == data
+    expected = {"none": set(), "many": {"csv", "tensorboard", "wandb"}}.get(logger, {logger})
+    assert set(cfg.logger) == expected and all("_target_" in node for node in cfg.logger.values())
+    check_loggers(cfg.logger)  # each logger's package is installed (the dev extra)
 
 
 def test_custom_and_hf_models_compose_to_their_configs() -> None:

@@ -1,4 +1,5 @@
-"""``examples/quickstart.py``, the README's first script, run as a user runs it: ``python examples/quickstart.py``.
+"""``examples/quickstart.py``, the quickstart's script (docs/get-started/quickstart.md), run as a user runs it:
+``python examples/quickstart.py``.
 
 Lightning's own launcher starts the second rank; the script must train under tensor parallelism on 2 CPU processes
 and print its final loss.
@@ -28,5 +29,6 @@ def test_the_quickstart_trains_and_prints_its_final_loss(tmp_path: Path) -> None
     assert float(found.group(1)) < 4.0  # the target's variance is 16: the model has learned something
 
 
-def test_the_readme_shows_the_quickstart_as_it_is() -> None:
-    assert SCRIPT.read_text() in (ROOT / "README.md").read_text()
+def test_the_quickstart_page_shows_the_script_as_it_is() -> None:
+    assert SCRIPT.read_text() in (ROOT / "docs" / "get-started" / "quickstart.md").read_text()
+    assert "examples/quickstart.py" in (ROOT / "README.md").read_text()

@@ -125,7 +125,7 @@ class RunCheckpoints(pl.Callback):
             remove(partial)
         trainer.strategy.barrier()
         with beat_file.busy(step):  # a save may take minutes: the launcher must not take it for a hang
-            trainer.save_checkpoint(partial)
+            trainer.save_checkpoint(partial, weights_only=False)  # the whole state (Lightning logs it when unsaid)
         view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
         future = view.pending_save if view is not None else None
         if future is not None:

@@ -33,7 +33,8 @@ class ParallelismConfig:
     """How the job is laid out over devices; degrees follow :class:`~lightning_dist.ParallelDims`."""
 
     strategy: str = "ddp"
-    """Strategy name: ddp, fsdp, tensor_parallel or pipeline_parallel."""
+    """Strategy name: ddp (Lightning's DDP) or a mesh layout (fsdp, tensor_parallel, pipeline_parallel: our
+    MeshStrategy). fsdp is FSDP2 (torch fully_shard), not Lightning's strategy="fsdp" (FSDP1)."""
     dp_replicate: int = 1
     """Data-parallel replicas (gradients all-reduced); -1 = the rest of the world size."""
     dp_shard: int = -1
@@ -77,6 +78,7 @@ class ParallelismConfig:
     """How replicas (dp_replicate) stay together: every_step (gradients all-reduced, DDP / HSDP) or diloco (each
     replica trains alone and an outer step averages their progress every diloco.every steps)."""
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    """sync=diloco: the outer step's period, optimizer, fragments and compression."""
     ddp_comm_hook: str | None = None
     """parallelism=ddp: compress the gradient all-reduce with torch's DDP hook: bf16, fp16 or powersgd (rank 1, error
     feedback, after 1000 plain steps); null = full precision. Not exact: the sums are rounded."""

@@ -1,8 +1,9 @@
 """Typed schema of a training run, registered in Hydra's ConfigStore.
 
-Each group of ``conf/`` (model, data, parallelism, cluster, trainer, logger) is validated against one dataclass
-here, so an unknown key or a wrong type fails at composition with Hydra's own message. The string under each
-field is its help text.
+Each group of ``conf/`` (model, data, parallelism, cluster, trainer) is validated against one dataclass here, so an
+unknown key or a wrong type fails at composition; loggers and callbacks are Lightning classes built from ``_target_``.
+The string under each field is its help text: ``lightning-dist-train --help <group>`` and
+docs/reference/config.md (:mod:`lightning_dist.config.help`) show it.
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ class ClusterConfig:
     """torch.distributed backend; None = gloo on CPU, nccl on CUDA."""
     collective_timeout_s: float = 600.0
     """A collective that waits this long ends the job (torch's process-group timeout); on NCCL the flight recorder
-    then writes what every rank was doing to ``<run>/flight_recorder/`` (docs/failures.md)."""
+    then writes what every rank was doing to ``<run>/flight_recorder/`` (docs/how-to/failures.md)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None = looked up from the GPU name (omitted on CPU)."""
     launcher: str = "local"
     """local (the app starts cluster.devices processes; several nodes: torchrun or srun per node) or slurm (the app
     submits the job: cluster.slurm)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """cluster.launcher=slurm: the job submitit submits (partition, account, time, setup lines, dry run)."""
 
 
 @dataclass
@@ -148,7 +150,7 @@ class PlanConfig:
 
 @dataclass
 class TelemetryConfig:
-    """What the run measures and reports (:class:`lightning_dist.Telemetry`; docs/telemetry.md)."""
+    """What the run measures and reports (:class:`lightning_dist.Telemetry`; docs/concepts/telemetry.md)."""
 
     enabled: bool = True
     """Log perf/ (tokens/s, MFU), comm/<axis>/ (time, bytes, busbw) and memory/ with lightning_dist.Telemetry."""
@@ -191,23 +193,35 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggerConfig:
-    """Where metrics go."""
+class DebugConfig:
+    """Debugging aids (``debug=fdr|overfit|profile|memory`` sets these and the Trainer's own; docs/how-to/debug.md)."""
 
-    kind: str = "wandb"
-    """wandb, csv or none."""
-    project: str | None = None
-    """W&B project; None = ``WANDB_PROJECT``, else lightning-dist."""
-    entity: str | None = None
-    """W&B entity (user or team); None = ``WANDB_ENTITY``, else W&B's default."""
-    group: str | None = None
-    """W&B group; None = the sweep (``-m``: every point of one sweep in one group), else none."""
-    name: str | None = None
-    """Run name; None = the model, the layout and the run folder's name (``gpt-llama-d64-L2 fsdp 20-31-07``)."""
-    tags: list[str] = field(default_factory=list)
-    """W&B tags."""
-    mode: str | None = None
-    """online, offline or disabled; None = offline unless W&B is configured (``WANDB_MODE``, an API key)."""
+    profile: bool = False
+    """Trace optimizer steps profile_from..profile_to with torch.profiler (CPU and CUDA activity, shapes, memory):
+    one Chrome-trace JSON per rank in <run>/profile/, opened at https://ui.perfetto.dev."""
+    profile_from: int = 5
+    """The first step traced (1-based: the step trainer/global_step reads after it); the steps before warm up."""
+    profile_to: int = 7
+    """The last step traced."""
+    memory: bool = False
+    """CUDA memory history from the first step (every allocation, with its stack) and a snapshot of it per rank at the
+    end and on an out-of-memory error, in <run>/memory/ (open at https://pytorch.org/memory_viz). CUDA only."""
+    memory_max_entries: int = 100000
+    """Allocation events the history keeps (the newest)."""
+
+    def check(self, accelerator: str, max_steps: int) -> None:
+        """One line before launch for a window that cannot be traced or a memory history without CUDA."""
+        if self.profile and not 1 <= self.profile_from <= self.profile_to:
+            raise ValueError(
+                f"debug.profile_from={self.profile_from}, profile_to={self.profile_to}: need 1 <= from <= to."
+            )
+        if self.profile and 0 < max_steps < self.profile_to:
+            raise ValueError(f"debug.profile_to={self.profile_to} is past trainer.max_steps={max_steps}; lower it.")
+        if self.memory and accelerator != "gpu":
+            raise ValueError(
+                f"debug=memory records CUDA memory history; cluster.accelerator={accelerator} has none: use "
+                "debug=profile (its trace has the CPU profiler's memory view) or cluster=gpu."
+            )
 
 
 @dataclass
@@ -255,17 +269,28 @@ class TrainConfig:
     data: Any = MISSING
     """The built-in data's fields (DataConfig: data=synthetic, text, tokens) or your DataModule (data=custom)."""
     parallelism: ParallelismConfig = MISSING
+    """The layout: degrees (dp_replicate, dp_shard, cp, tp, pp) and how each axis works. fsdp is FSDP2."""
     cluster: ClusterConfig = MISSING
+    """The devices, nodes and precision, and who starts the processes (the app, torchrun, srun or SLURM)."""
     trainer: Any = MISSING
     """Lightning ``Trainer`` arguments (:class:`TrainerConfig`); any other ``Trainer`` argument passes through."""
-    logger: LoggerConfig = MISSING
+    logger: dict[str, Any] = field(default_factory=dict)
+    """Lightning loggers by name, each built from ``_target_`` and its arguments (``logger=wandb``, csv,
+    tensorboard, mlflow, many, none; ``+logger.<name>._target_=...``). A ``save_dir`` left null is the run folder."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer: AdamW with linear warmup and cosine decay (the built-in models)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints during the run, published only when complete."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What the run measures (perf/, comm/, memory/) and reports (report.html)."""
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    """Restarts, hang detection and non-finite steps."""
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
+    """lightning-dist-plan: which layouts to search and how to show them."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Debugging aids: a profiler trace of chosen steps, CUDA memory snapshots (debug=fdr|overfit|profile|memory)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Your Lightning callbacks by name, each built from ``_target_`` and its arguments: ``callbacks=best`` (the best
     ``val/loss`` checkpoint and early stopping), or ``+callbacks.stop._target_=lightning.pytorch.callbacks.EarlyStopping
@@ -325,5 +350,4 @@ def register_configs() -> None:
     store.store(group="data", name="data_schema", node=DataConfig)
     store.store(group="parallelism", name="parallelism_schema", node=ParallelismConfig)
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    store.store(group="logger", name="logger_schema", node=LoggerConfig)
     store.store(group="hardware", name="hardware_schema", node=HardwareConfig)

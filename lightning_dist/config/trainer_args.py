@@ -73,7 +73,7 @@ class TrainerConfig:
 #: Trainer arguments the app sets itself, each with where the user sets it instead.
 OWNED: dict[str, str] = {
     "strategy": "the layout is parallelism=... (parallelism.strategy and its degrees)",
-    "logger": "use logger=wandb|csv|none and logger.* fields",
+    "logger": "use logger=wandb|csv|tensorboard|mlflow|many|none, or +logger.<name>._target_=<class>",
     "callbacks": "add yours with +callbacks.<name>._target_=<class> (or callbacks=best)",
     "plugins": "the cluster environment is chosen from the launcher; precision is trainer.precision",
     "default_root_dir": "use output_dir=<folder>",

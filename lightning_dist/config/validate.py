@@ -22,6 +22,7 @@ from datetime import timedelta
 from hydra.utils import get_class
 
 from lightning_dist.config import environment
+from lightning_dist.config.loggers import check_loggers
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
@@ -166,7 +167,9 @@ def _check_run_fields(cfg: TrainConfig) -> None:
                 f"callbacks.{name} has no _target_ (its class's import path); give "
                 f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint and its arguments."
             )
+    check_loggers(cfg.logger)
     check_trainer(trainer)
+    cfg.debug.check(cfg.cluster.accelerator, trainer.max_steps)
     if every.every_n_steps is not None and every.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
     if every.every_n_minutes is not None and every.every_n_minutes <= 0:

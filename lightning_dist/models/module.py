@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
+from torchmetrics.metric import CompositionalMetric
 
 from lightning_dist import _compat
 from lightning_dist.models.gpt import GPT, GPTConfig
@@ -52,6 +53,7 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams)
         self.model: GPT | None = None
         self.val_loss = MeanMetric()
+        self.val_ppl = CompositionalMetric(torch.exp, self.val_loss, None)  # exp of val_loss's (cached) result
         self.step_loss = StepLoss()
 
     # ------------------------------------------------------------------------------------------------- model
@@ -102,10 +104,11 @@ class GPTModule(pl.LightningModule):
         self.val_loss.update(loss, weight=batch[0].shape[0])
 
     def on_validation_epoch_end(self) -> None:
-        val_loss = self.val_loss.compute()  # torchmetrics syncs across ranks
-        self.val_loss.reset()
-        self.log("val/loss", val_loss)
-        self.log("val/ppl", torch.exp(val_loss))
+        # The metric objects, not their values: Lightning computes them once the epoch ends (torchmetrics syncs over
+        # the data-parallel ranks) and resets them, and knows they need no sync_dist (a tensor would be synced again,
+        # or warned about).
+        self.log("val/loss", self.val_loss)
+        self.log("val/ppl", self.val_ppl)
 
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:

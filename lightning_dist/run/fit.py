@@ -10,8 +10,10 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
+from lightning_dist.callbacks.debug import CudaMemoryHistory, ProfileSteps
 from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
@@ -22,7 +24,8 @@ from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.run.cluster import SharedFolderCheck, enable_flight_recorder, lightning_environment
-from lightning_dist.run.loggers import build_logger, finish_wandb
+from lightning_dist.run.console import log_to, say
+from lightning_dist.run.loggers import CheckpointArtifacts, build_loggers, finish_wandb, where
 from lightning_dist.run.result import RunResult
 from lightning_dist.run.watchdog import watch_external_job
 from lightning_dist.strategies import MeshStrategy, build_strategy
@@ -50,12 +53,15 @@ def fit(
     cfg, dims = valid.cfg, valid.dims
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = Path(cfg.output_dir)
+    if is_global_zero():
+        log_to(out_dir)  # the lines this rank says go to <run>/train.log too
     datamodule = build_datamodule(cfg)
     module = build_module(cfg)
     continuing = cfg.ckpt_path is not None and Path(cfg.ckpt_path).parent == out_dir / "checkpoints"
-    logger = build_logger(cfg.logger, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
-    if cfg.trainer.fast_dev_run:
-        logger = False  # Lightning's smoke test logs nothing; a W&B run would still be made by finish_wandb
+    # Lightning's smoke test logs nothing (a W&B run would still be made by finish_wandb)
+    nodes = {} if cfg.trainer.fast_dev_run else cfg.logger
+    loggers = build_loggers(nodes, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
+    wandb_name = next((name for name, logger in loggers.items() if isinstance(logger, WandbLogger)), None)
     history = LossHistory()
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
@@ -67,16 +73,25 @@ def fit(
             peak_tflops=cfg.cluster.peak_tflops,
             track_comm=cfg.telemetry.track_comm,
             comm_timing_every_n_steps=cfg.telemetry.comm_timing_every_n_steps,
+            print_summary=say,
         )
         all_callbacks.append(telemetry)
+    artifacts = None
     if cfg.trainer.enable_checkpointing and not cfg.trainer.fast_dev_run:  # Lightning's smoke test saves nothing
         all_callbacks.append(checkpoint)
+        if wandb_name is not None and cfg.logger[wandb_name].get("log_model"):
+            artifacts = CheckpointArtifacts(checkpoint, loggers[wandb_name], cfg.logger[wandb_name]["log_model"])
+            all_callbacks.append(artifacts)
     if cfg.trainer.enable_progress_bar:
         all_callbacks.append(LoggedLossBar())
     if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
         all_callbacks.append(InitWeights(Path(cfg.init_from)))
     if cfg.cluster.num_nodes > 1:
         all_callbacks.append(SharedFolderCheck(out_dir))
+    debug = cfg.debug
+    profiler = ProfileSteps(out_dir / "profile", debug.profile_from, debug.profile_to) if debug.profile else None
+    all_callbacks += [profiler] if profiler else []
+    all_callbacks += [CudaMemoryHistory(out_dir / "memory", debug.memory_max_entries)] if debug.memory else []
     users = [instantiate(node) for node in cfg.callbacks.values()]  # callbacks=... / +callbacks.<name>._target_=
     for callback in users:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -85,10 +100,9 @@ def fit(
     enable_flight_recorder(out_dir, cfg.cluster.accelerator)  # before the strategy creates the process group
     args = cfg.trainer
     if args.max_epochs is not None and args.max_steps > 0 and is_global_zero():
-        print(
+        say(
             f"trainer.max_epochs={args.max_epochs} and trainer.max_steps={args.max_steps}: the run stops at "
-            "whichever comes first (trainer.max_steps=-1 trains by epochs only)",
-            flush=True,
+            "whichever comes first (trainer.max_steps=-1 trains by epochs only)"
         )
     if placement is None:
         placement = {"plugins": lightning_environment(), "devices": cfg.cluster.devices,
@@ -113,7 +127,7 @@ def fit(
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in users),
         enable_progress_bar=args.enable_progress_bar,
         enable_model_summary=False,
-        logger=logger,
+        logger=list(loggers.values()) or False,
         callbacks=all_callbacks,
         # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
@@ -128,6 +142,8 @@ def fit(
     finally:
         if watchdog is not None:
             watchdog.stop()
+    if artifacts is not None:
+        artifacts.log_newest(trainer)  # the final checkpoint (log_model=true), or the last of them (all)
     if cfg.telemetry.enabled:
         merge_telemetry(history.records, telemetry.history)
     metrics = trainer.callback_metrics
@@ -144,8 +160,13 @@ def fit(
         checkpoint_blocked_s=checkpoint.blocked_s,
         checkpoint_written_s=checkpoint.written_s,
         preempted=preemption.signal_name,
-        wandb_dir=finish_wandb(logger),
-        csv=str(Path(logger.log_dir) / "metrics.csv") if cfg.logger.kind == "csv" else None,
+        wandb_dir=finish_wandb(loggers[wandb_name]) if wandb_name is not None else None,
+        csv=next((where(log) for log in loggers.values() if isinstance(log, CSVLogger)), None),
+        logs={
+            **{name: where(log) for name, log in loggers.items() if where(log) and not isinstance(log, CSVLogger)},
+            **({"profile trace": str(profiler.trace)} if profiler and profiler.trace else {}),
+            **({"memory": str(out_dir / "memory")} if debug.memory else {}),
+        },
     )
 
 
@@ -172,4 +193,4 @@ class ShowLayout(pl.Callback):
             lines = [line for layout in self.layouts[: self.PRINTED] for line in layout.lines()]
             if len(self.layouts) > self.PRINTED:
                 lines.append(f"... {len(self.layouts) - self.PRINTED} more ranks in report.json")
-            print("what each rank holds (strategy.describe()):\n  " + "\n  ".join(lines), flush=True)
+            say("what each rank holds (strategy.describe()):\n  " + "\n  ".join(lines))

@@ -50,6 +50,10 @@ class RunResult:
     wandb_dir: str | None = None
     #: The ``metrics.csv`` path with ``logger=csv``.
     csv: str | None = None
+    #: Where the other loggers write (``logger.<name>`` -> a folder or tracking store), e.g. TensorBoard's events.
+    logs: dict[str, str] = field(default_factory=dict)
+    #: The run folder's log file: the app's own lines, as printed (``<run>/train.log``).
+    log_file: str | None = None
     #: Seconds from launch to the end of the run (the app: :func:`~lightning_dist.run.train.run`).
     wall_time_s: float | None = None
     #: The report's rows, one per rank (at most 256): mesh coordinates and what the rank holds (rank 0 of the app).

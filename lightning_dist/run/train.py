@@ -25,12 +25,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.environment import is_global_zero, should_submit
+from lightning_dist.config.help import help_text
+from lightning_dist.config.loggers import is_wandb
+from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.errors import PREEMPTED_EXIT_CODE
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
+from lightning_dist.run.console import LOG_FILE, log_to, say
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
@@ -42,6 +46,8 @@ register_configs()
 
 def main() -> None:
     """Console-script entry point; errors are one line on stderr and a non-zero exit."""
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        _help(sys.argv[1:])
     for arg in sys.argv[1:]:  # before Hydra, whose message ("not in struct mode") would not say where they went
         key = arg.lstrip("+~").split("=", 1)[0]
         if key.startswith("trainer.") and key.removeprefix("trainer.") in MOVED:
@@ -49,7 +55,24 @@ def main() -> None:
                 f"{key} moved out of trainer. (it is not a Trainer argument): use "
                 f"{MOVED[key.removeprefix('trainer.')]}={arg.split('=', 1)[-1]}"
             )
+        moved = moved_logger_key(key) if key.startswith("logger.") else None
+        if moved:
+            raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
     _hydra_main()
+
+
+def _help(args: list[str]) -> None:
+    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours, from the schema's docstrings (Hydra's own is
+    ``--hydra-help``). Exits 0, or 2 naming the closest topics for one that does not exist."""
+    flag = next(i for i, arg in enumerate(args) if arg in ("--help", "-h"))
+    after = args[flag + 1] if flag + 1 < len(args) else ""
+    topic = after if after and not after.startswith("-") and "=" not in after else None
+    text, found = help_text(topic, [arg for arg in args if "=" in arg and not arg.startswith("-")])
+    try:
+        print(text, file=sys.stdout if found else sys.stderr, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0 if found else 2)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -64,8 +87,9 @@ def _hydra_main(cfg: DictConfig) -> RunResult | float:
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.output_dir = output_dir
-        if sweep and train_cfg.logger.group is None:  # every point of one sweep in one W&B group
-            train_cfg.logger.group = sweep_group(hydra_cfg.sweep.dir)
+        for node in train_cfg.logger.values():  # every point of one sweep in one W&B group
+            if sweep and is_wandb(node) and node.get("group") is None:
+                node["group"] = sweep_group(hydra_cfg.sweep.dir)
         result = run(train_cfg)
     except (ValueError, FileNotFoundError, RankFailedError) as err:
         if not sweep:
@@ -74,11 +98,10 @@ def _hydra_main(cfg: DictConfig) -> RunResult | float:
         return failed_value(hydra_cfg.sweeper)
     if result.preempted:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpointing off)"
-        print(
+        say(
             f"preempted: {result.preempted} received; stopped after step {result.steps}, {saved}; continue "
             f"with: lightning-dist-train resume={result.output_dir}",
-            file=sys.stderr,
-            flush=True,
+            err=True,
         )
         sys.exit(PREEMPTED_EXIT_CODE)
     if not sweep:
@@ -127,6 +150,8 @@ def run(cfg: TrainConfig) -> RunResult:
     cfg, dims = valid.cfg, valid.dims
     out_dir = Path(cfg.output_dir)
     _check_writable(out_dir)
+    if is_global_zero():  # the launcher (or rank 0 under torchrun / srun): its lines go to <run>/train.log too
+        log_to(out_dir)
     if should_submit(cfg.cluster):  # on the login node
         result = slurm.submit(cfg, valid.layout, run)
         if result.steps is not None:  # submitit's local executor ran it here
@@ -211,7 +236,7 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
                 f"restart {attempt + 1}/{cfg.resilience.max_restarts}: {err}; from "
                 f"{latest if latest is not None else 'the start (no checkpoint yet)'}"
             )
-            print(line, file=sys.stderr, flush=True)
+            say(line, err=True)
             with (out_dir / "restarts.log").open("a") as log_file:
                 log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
     raise AssertionError("unreachable")
@@ -232,9 +257,11 @@ def _check_writable(out_dir: Path) -> None:
 
 
 def _print_summary(result: RunResult) -> None:
+    """What ran and where everything went: the run folder, its report, checkpoint, log file and each logger's files."""
     if not is_global_zero():
         return
     floor = result.loss_floor
+    result.log_file = str(Path(result.output_dir) / LOG_FILE)
     lines = [
         f"run directory : {result.output_dir}",
         f"layout        : {result.layout}",
@@ -244,13 +271,17 @@ def _print_summary(result: RunResult) -> None:
     ]
     if floor is not None:
         lines.append(f"loss floor    : {floor:.4f} nats/token (entropy rate of the synthetic corpus)")
-    if result.checkpoint:
-        lines.append(f"checkpoint    : {result.checkpoint}")
+    if result.report:
+        lines.append(f"report        : {result.report}")
+    lines.append(f"checkpoint    : {result.checkpoint or '- (none saved)'}")
+    lines.append(f"log file      : {result.log_file}")
     if result.wandb_dir:
         lines.append(f"W&B run       : {result.wandb_dir}  (upload later: wandb sync {result.wandb_dir})")
     if result.csv:
         lines.append(f"metrics.csv   : {result.csv}")
-    print("\n".join(lines), flush=True)
+    for name, where in result.logs.items():
+        lines.append(f"{name:<14}: {where}")
+    say("\n".join(lines))
 
 
 def _fail(err: Exception, out_dir: Path) -> None:

@@ -16,10 +16,13 @@ __all__ = [
     "build_strategy",
 ]
 
+#: Short name -> (strategy, description). ``"fsdp2"`` because Lightning's own ``"fsdp"`` is FSDP1 (its FSDPStrategy).
 _REGISTERED = {
-    TensorParallelStrategy: "Tensor parallelism over all devices (sequence + loss parallel)",
-    PipelineParallelStrategy: "Pipeline parallelism (pp=2, 1F1B) with FSDP2 over the remaining devices",
+    MeshStrategy.strategy_name: (MeshStrategy, "Any (pp, dp_replicate, dp_shard, cp, tp) mesh; default FSDP2 on all"),
+    "fsdp2": (MeshStrategy, "FSDP2 (torch fully_shard) over all devices; Lightning's 'fsdp' is FSDP1"),
+    TensorParallelStrategy.strategy_name: (TensorParallelStrategy, "Tensor parallelism over all devices (SP + LP)"),
+    PipelineParallelStrategy.strategy_name: (PipelineParallelStrategy, "Pipeline (pp=2, 1F1B), FSDP2 over the rest"),
 }
-for _strategy, _description in _REGISTERED.items():
-    if _strategy.strategy_name not in StrategyRegistry:
-        StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_description)
+for _name, (_strategy, _description) in _REGISTERED.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _strategy, description=_description)

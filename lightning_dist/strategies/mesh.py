@@ -58,6 +58,10 @@ class MeshStrategy(
 ):
     """Data, tensor, context and pipeline parallelism on one device mesh, with Lightning's loops, loggers, checkpoints.
 
+    Registered in Lightning's ``StrategyRegistry`` as ``"mesh"`` (and ``"fsdp2"``): ``Trainer(strategy="mesh")`` is
+    FSDP2 over all devices. Lightning's own ``"fsdp"`` is its ``FSDPStrategy``, the older FSDP1 wrapper; every
+    sharded layout here (``dp_shard > 1``, the app's ``parallelism=fsdp``) is FSDP2 (``torch`` ``fully_shard``).
+
     Example::
 
         Trainer(strategy=MeshStrategy(tp=2, dp_shard=-1), devices=4)               # TP inside, FSDP2 across
@@ -84,6 +88,8 @@ class MeshStrategy(
         option_fields: Single :class:`~lightning_dist.parallel.options.ParallelOptions` fields, set over
             ``options`` (``MeshStrategy(tp=2, schedule="GPipe")``; DiLoCo: ``dp_replicate=2, sync="diloco"``).
     """
+
+    strategy_name = "mesh"
 
     def __init__(
         self,

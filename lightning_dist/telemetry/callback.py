@@ -10,6 +10,7 @@ a write to the loggers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -90,16 +91,15 @@ class Telemetry(pl.Callback):
     Args:
         log_every_n_steps: Logging period in optimizer steps; default the Trainer's ``log_every_n_steps``.
         flops_per_token: Training FLOPs (forward + backward) per token; default ``pl_module.flops_per_token`` or
-            ``pl_module.model.flops_per_token(seq_len)``; a module that states none is estimated at 6 x its
-            parameters (forward + backward of the matmuls, attention not counted), logged as
-            ``perf/flops_estimated=1``.
+            ``pl_module.model.flops_per_token(seq_len)``; a module that states none is estimated at 6 x its parameters
+            (forward + backward of the matmuls, attention not counted), logged as ``perf/flops_estimated=1``.
         peak_tflops: Peak TFLOP/s per device for MFU; default from the table for known CUDA devices (omitted on CPU).
         track_comm: Intercept collectives (see :mod:`lightning_dist.telemetry.comm`): count every call and time a
             sample of the steps.
         comm_timing_every_n_steps: Time the collectives of one optimizer step in this many (the steps whose 1-based
-            number is a multiple of it). Default: every step on CUDA; on other devices the logging period, i.e. the
-            last step of each window, because timing there waits for each collective inside the call.
-        print_summary: Print the end-of-fit tables on rank 0.
+            number is a multiple of it). Default: every step on CUDA; elsewhere the last step of each logging window,
+            because timing there waits for each collective inside the call.
+        print_summary: Print the end-of-fit tables on rank 0 (a function: hand it their text instead).
     """
 
     def __init__(
@@ -109,7 +109,7 @@ class Telemetry(pl.Callback):
         peak_tflops: float | None = None,
         track_comm: bool = True,
         comm_timing_every_n_steps: int | None = None,
-        print_summary: bool = True,
+        print_summary: bool | Callable[[str], None] = True,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None for the Trainer's).")
@@ -123,7 +123,7 @@ class Telemetry(pl.Callback):
         self.peak_tflops = peak_tflops
         self.track_comm = track_comm
         self.comm_timing_every_n_steps = comm_timing_every_n_steps
-        self.print_summary = print_summary
+        self.print_summary = print if print_summary is True else print_summary or None
         #: Every logged metrics dict (on every rank; the numbers are the same everywhere after the cross-rank sync).
         self.history: list[dict[str, float]] = []
         #: End-of-fit tables: ``{"comm": (columns, rows), "layout": (columns, rows)}``.
@@ -384,7 +384,7 @@ class Telemetry(pl.Callback):
                 for name, (columns, rows) in self.tables.items():
                     write_csv(Path(logger.log_dir) / f"telemetry_{name}.csv", columns, rows)
         if self.print_summary:
-            print(format_summary(self.tables, self._num_steps))
+            self.print_summary(format_summary(self.tables, self._num_steps))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()

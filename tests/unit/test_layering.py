@@ -2,7 +2,7 @@
 import is kept for an optional dependency, or for a heavy module the launcher's process must not load (each says so
 in a comment).
 
-Layers, lowest first (docs/design.md): what a module may import is its own layer and the ones below.
+Layers, lowest first (docs/concepts/design.md): what a module may import is its own layer and the ones below.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _graph() -> dict[str, set[str]]:
 def test_every_top_level_module_has_a_layer() -> None:
     tops = {module.split(".")[1] for module in _modules() if module.count(".") >= 1}
     assert tops - set(LAYERS) == set(), (
-        "give each new top-level module or folder a layer in LAYERS (and docs/design.md)"
+        "give each new top-level module or folder a layer in LAYERS (and docs/concepts/design.md)"
     )
 
 

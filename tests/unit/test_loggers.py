@@ -21,21 +21,28 @@ from lightning_dist.run.loggers import build_logger, finish_wandb
 
 def _init(overrides: list[str], folder: Path) -> dict:
     cfg = compose_config(["logger=wandb", *overrides])
-    return build_logger(cfg.logger, folder, cfg)._wandb_init  # what WandbLogger hands wandb.init
+    return build_logger(cfg.logger["wandb"], folder, cfg)._wandb_init  # what WandbLogger hands wandb.init
 
 
 def test_wandb_fields_come_from_the_config_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    init = _init(["logger.entity=team", "logger.group=g1", "logger.tags=[a,b]", "logger.mode=disabled"], tmp_path)
+    fields = [
+        "logger.wandb.entity=team",
+        "logger.wandb.group=g1",
+        "logger.wandb.tags=[a,b]",
+        "logger.wandb.mode=disabled",
+    ]
+    init = _init(fields, tmp_path)
     assert (init["project"], init["entity"], init["group"], init["tags"]) == ("from-env", "team", "g1", ["a", "b"])
     assert init["mode"] == "disabled"  # the user's explicit choice
     assert init["name"] == f"gpt-llama-d64-L2 ddp {tmp_path.name}"  # model, layout, run folder
-    assert _init(["logger.project=mine"], tmp_path)["project"] == "mine"  # the config over the environment
+    assert _init(["logger.wandb.project=mine"], tmp_path)["project"] == "mine"  # the config over the environment
     monkeypatch.delenv("WANDB_PROJECT")
     plain = _init([], tmp_path)
     assert plain["project"] == "lightning-dist"
     assert "entity" not in plain and "group" not in plain  # W&B's own defaults (WANDB_ENTITY) apply
+    assert "anonymous" not in plain  # wandb warns about the setting even when it is None
 
 
 # ------------------------------------------------------------------------------------------ W&B resumed runs
@@ -126,7 +133,7 @@ def _write_note(folder: Path, step: int, record: dict[str, Any] | None) -> Path:
 
 def _continue(folder: Path, checkpoint: Path, overrides: tuple[str, ...] = ()) -> Any:
     cfg = compose_config(["logger=wandb", *overrides])
-    return build_logger(cfg.logger, folder, cfg, continue_from=checkpoint)
+    return build_logger(cfg.logger["wandb"], folder, cfg, continue_from=checkpoint)
 
 
 def test_online_continuation_rewinds_offline_continues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,7 +142,7 @@ def test_online_continuation_rewinds_offline_continues(tmp_path: Path, monkeypat
     init = _continue(tmp_path, checkpoint)._wandb_init
     assert init["resume_from"] == "abc123?_step=6"  # rows _step 0..6 kept; the resumed run logs from _step 7
     assert init["resume"] is None and init["id"] is None  # wandb refuses resume / a second id beside resume_from
-    assert "resume_from" not in _continue(tmp_path, checkpoint, ("logger.mode=offline",))._wandb_init
+    assert "resume_from" not in _continue(tmp_path, checkpoint, ("logger.wandb.mode=offline",))._wandb_init
     for mode in (None, "offline"):  # offline by default (no API key), and WANDB_MODE=offline
         _wandb_env(monkeypatch, tmp_path, mode)
         init = _continue(tmp_path, checkpoint)._wandb_init
@@ -172,7 +179,7 @@ def test_a_refused_rewind_continues_the_run(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_offline_resume_writes_a_second_folder_and_restarts_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """What docs/telemetry.md says of offline resumed runs, as wandb does it."""
+    """What docs/concepts/telemetry.md says of offline resumed runs, as wandb does it."""
     import wandb
 
     _wandb_env(monkeypatch, tmp_path, "offline")

@@ -46,11 +46,28 @@ def test_launcher_modules_import_nothing_heavy(module: str) -> None:
 
 
 def test_importing_the_package_still_registers_our_strategies_with_lightning() -> None:
-    """README: ``import lightning_dist`` registers "tensor_parallel" and "pipeline_parallel", whichever of the two
-    packages is imported first."""
+    """README: ``import lightning_dist`` registers "mesh", "fsdp2", "tensor_parallel" and "pipeline_parallel",
+    whichever of the two packages is imported first; a ``Trainer`` given the name builds our strategy."""
     for first, second in (("lightning_dist", "lightning.pytorch"), ("lightning.pytorch", "lightning_dist")):
-        check = "from lightning.pytorch.strategies import StrategyRegistry as R\nassert 'tensor_parallel' in R"
-        _heavy_after(f"import {first}, {second}\n{check} and 'pipeline_parallel' in R")
+        check = """
+from lightning.pytorch import Trainer
+from lightning_dist import MeshStrategy, PipelineParallelStrategy, TensorParallelStrategy
+expected = {"mesh": MeshStrategy, "fsdp2": MeshStrategy, "tensor_parallel": TensorParallelStrategy,
+            "pipeline_parallel": PipelineParallelStrategy}
+for name, cls in expected.items():
+    strategy = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
+    assert type(strategy) is cls, (name, type(strategy))
+assert Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False).strategy._degrees["dp_shard"] == -1
+"""
+        _heavy_after(f"import {first}, {second}\n{check}")
+
+
+def test_the_package_reports_its_installed_version() -> None:
+    from importlib.metadata import version
+
+    import lightning_dist
+
+    assert lightning_dist.__version__ == version("lightning-dist") != "0.1.0"
 
 
 def test_the_launcher_checks_the_default_config_without_torch_or_lightning(tmp_path: Path) -> None:

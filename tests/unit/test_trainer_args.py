@@ -38,7 +38,7 @@ def test_any_trainer_argument_passes_through_and_the_run_fields_are_typed():
         ("+trainer.max_epoch=2", r"^trainer.max_epoch is not an argument of lightning.Trainer; did you mean "
                                  r"trainer.max_epochs\?"),
         ("+trainer.strategy=ddp", r"^trainer.strategy is set by the app: the layout is parallelism="),
-        ("+trainer.logger=false", r"^trainer.logger is set by the app: use logger=wandb\|csv\|none"),
+        ("+trainer.logger=false", r"^trainer.logger is set by the app: use logger=wandb\|csv\|tensorboard"),
         ("+trainer.hang_timeout_s=5", r"^trainer.hang_timeout_s is not a Trainer argument and moved: use "
                                       r"resilience.hang_timeout_s=5"),
         ("+trainer.telemetry=false", r"^trainer.telemetry .* use telemetry.enabled=False"),
