@@ -381,6 +381,12 @@ def attn_implementation(config: Any, default: str = "sdpa") -> str:
     return getattr(config, "_attn_implementation", default)
 
 
+def hf_init_weights(model: Any, module: nn.Module) -> None:
+    """A transformers model's own initialization rule applied to ``module`` alone: ``PreTrainedModel._init_weights``
+    (an override point every family defines or inherits; transformers calls it on every module after a build)."""
+    model._init_weights(module)
+
+
 # ----------------------------------------------------------------------------------------------------------- submitit
 def slurm_executor_anywhere(folder: Any) -> Any:
     """A ``submitit.SlurmExecutor`` built where SLURM is absent (its ``__init__`` refuses without ``srun``), only to

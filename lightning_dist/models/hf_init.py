@@ -1,25 +1,28 @@
 """Building a transformers causal LM on the meta device, and giving any part of it its one-process values.
 
 :func:`build_causal_lm` makes the model on the meta device (nothing allocated, nothing drawn); a strategy shards it or
-splits it into stages, each rank allocates its own part, and :func:`init_causal_lm` fills that part: every parameter
-drawn whole on the CPU from a generator seeded by its name, so a shard or a stage holds exactly its slice of what one
-process draws, whatever the layout. The distribution is transformers' default initialization (``_init_weights``):
-linear / ``Conv1D`` weights and embeddings ``N(0, initializer_range)`` (an embedding's padding row zero), biases zero,
-norm scales one; GPT-2's residual projections (``c_proj``) scaled by ``1 / sqrt(2 * n_layer)``, as GPT-2 does. The
-random numbers are not transformers' own (theirs come from the global generator in module order, which no sharded
-rank can reproduce). Derived buffers (the rotary ``inv_freq`` tables) are computed again, never left empty.
+splits it into stages, each rank allocates its own part, and :func:`init_causal_lm` fills that part with the values
+transformers' own build gives, by transformers' own rule: the model's ``_init_weights`` (each family's: Gemma's norms
+at zero and its embedding scale, GPT-2's scaled residual projections, rotary ``inv_freq`` tables, any non-persistent
+buffer its init sets). It runs on a CPU *twin* of each unit of the model (a decoder layer, the embedding, the final
+norm, the head, ...: the same subtree in every layout), whose tensors are whole fp32 copies with the global shapes,
+under a generator seeded by the module's name; each real tensor (a shard, a pipeline stage's) then takes its slice.
+So the values depend only on the seed, the names and the shapes, and the distributions are transformers' own; the
+random numbers are not transformers' (theirs come from the global generator in module order, which no sharded rank
+can reproduce). A tensor that the model's rule leaves unset is an error naming it, never left as it was.
 
 Needs the optional extra ``lightning-dist[hf]`` (transformers). No distributed code here.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_dist import _compat
 
 
 def causal_lm_class(config: Any) -> type[nn.Module]:
@@ -62,60 +65,113 @@ def retie(model: nn.Module) -> None:
 
 @torch.no_grad()
 def init_causal_lm(model: nn.Module, seed: int, random: bool = True) -> None:
-    """Give every parameter ``model`` holds its one-process value, and compute its rotary tables.
-
-    Each parameter is drawn whole in float32 on the CPU from a generator seeded with
-    ``zlib.crc32(f"{seed}:{name}")`` and copied into place (into a sharded DTensor: its slice, under
-    ``implicit_replication``), so the values depend only on the seed, the name and the shape. A tied head on a
-    pipeline stage without the embedding is drawn under its own name and then replaced by the embedding's owner (the
-    strategy broadcasts tied copies).
+    """Give every parameter and buffer ``model`` holds the value transformers' own build gives it (see the module
+    docstring), seeded by name, whatever part of the model this rank holds.
 
     Args:
         model: The transformers model (whole, sharded, or a pipeline stage's pruned copy).
         seed: Base seed.
         random: ``False`` when every weight is read right after (a pretrained folder, a checkpoint): the parameters
-            are only zeroed, which costs a memset instead of drawing the whole model on every rank.
+            are only zeroed (a memset instead of drawing the whole model on every rank); the buffers are set as
+            ever (a non-persistent one, Gemma's ``embed_scale`` or a rotary table, is in no checkpoint).
+
+    Raises:
+        ValueError: The model's ``_init_weights`` leaves a tensor unset (one line naming it).
     """
     retie(model)
-    config = model.config
-    std = getattr(config, "initializer_range", None) or 0.02
-    for name, param in model.named_parameters():
-        if not random:
-            param.zero_()
+    done: set[int] = set()  # a tied weight is set once, by its first owner in module order (as in one process)
+    for unit_name, unit, whole in _units(model):
+        twin, pairs = _twin(unit, whole, random, done)
+        if not pairs:
             continue
-        value = _initial_value(model, name, tuple(param.shape), std, seed)
-        param.copy_(value.to(device=param.device, dtype=param.dtype))
-    reset_rotary_buffers(model)
+        modules = list(twin.named_modules())
+        for name, module in reversed(modules):  # children first, then the parent's rule (nn.Module.apply's order)
+            # On the CPU whatever the default device (Lightning's init context makes it CUDA): a rule that builds a
+            # table without naming a device (transformers' rotary init) builds it beside the twin.
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                full = f"{unit_name}.{name}".strip(".")
+                torch.manual_seed(zlib.crc32(f"{seed}:{full}".encode()))  # one string: the generator keeps 32 bits
+                _compat.hf_init_weights(model, module)
+        for name, real, value in pairs:
+            if value is None:  # a parameter whose value is read next: zeroed
+                real.zero_()
+            elif _unset(value):
+                raise ValueError(
+                    f"{type(model).__name__}: {unit_name}.{name} is not set by the model's _init_weights "
+                    "(transformers), so a model built on the meta device cannot be given its values; pass the built "
+                    "model to HFCausalLM instead of its config (its values are then kept)."
+                )
+            else:
+                real.copy_(value.to(device=real.device, dtype=real.dtype))
 
 
-def _initial_value(model: nn.Module, name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
-    """The one-process value of the parameter ``name`` (transformers' default distribution, seeded by name)."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    kind = type(module).__name__
-    if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
-    if "Norm" in kind:  # RMSNorm / LayerNorm of every family (transformers matches norms by name too)
-        return torch.ones(shape, device="cpu")
-    if getattr(model.config, "model_type", None) == "gpt2" and module_name.endswith("c_proj"):
-        std = std / math.sqrt(2 * model.config.n_layer)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # one string: the generator keeps 32 bits
-    value = torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
-    padding = getattr(module, "padding_idx", None) if isinstance(module, nn.Embedding) else None
-    if padding is not None:
-        value[padding] = 0.0
-    return value
+def _units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, whole)`` covering ``model`` once: each module on the path to the decoder layers' container
+    (the container, the decoder, the model) with its own tensors only, and every other module right below them as a
+    whole subtree (a decoder layer, the embedding, the final norm, the head). A pipeline stage holds whole units only,
+    so each unit is initialized alike in every layout."""
+    container = _layers_path(model)
+    parts = container.split(".") if container else []
+    path = {".".join(parts[:i]) for i in range(len(parts) + 1)}
+    units = []
+    for name, module in model.named_modules():
+        if name in path:
+            units.append((name, module, False))
+        elif name.rpartition(".")[0] in path:
+            units.append((name, module, True))
+    return units
 
 
-def reset_rotary_buffers(model: nn.Module) -> None:
-    """Compute every rotary-embedding table again (``inv_freq`` and friends: non-persistent buffers, so neither a
-    checkpoint nor a pretrained folder holds them, and ``to_empty`` left them uninitialized)."""
-    for module in model.modules():
-        if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "config"):
+def _layers_path(model: nn.Module) -> str:
+    """The name of the container of the decoder layers: the module list holding a class ``_no_split_modules`` names
+    (transformers' unit of device placement), else the longest module list ("" when there is none)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    for name, container in lists:
+        if any(type(child).__name__ in names for child in container.children()):
+            return name
+    return max(lists, key=lambda item: len(item[1]), default=("", model))[0]
+
+
+def _twin(module: nn.Module, whole: bool, random: bool, done: set[int], prefix: str = "") -> tuple[nn.Module, list]:
+    """A CPU copy of ``module`` (of its whole subtree when ``whole``, else with no children) whose own tensors are new
+    whole fp32 tensors holding a sentinel, and ``(name, real, twin tensor)`` for each real tensor not set yet. With
+    ``random=False`` the parameters stay on the meta device in the twin (nothing is drawn) and pair with ``None``."""
+    twin = _compat.shallow_clone(module)
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+    children = _compat.module_children(twin)
+    for name, child in list(children.items()):
+        if child is not None and whole:
+            children[name], below = _twin(child, True, random, done, f"{prefix}{name}.")
+            pairs += below
+        else:
+            children[name] = None  # a path module's rule must not reach the real modules below it
+    own = [(n, t, True) for n, t in module.named_parameters(recurse=False)]
+    own += [(n, t, False) for n, t in module.named_buffers(recurse=False)]
+    for name, real, is_param in own:
+        if id(real) in done:
             continue
-        with torch.device("cpu"):
-            fresh = type(module)(module.config)  # a few hundred floats: the model's own rule, computed on the CPU
-        for name, value in fresh.named_buffers():
-            buffer = module.get_buffer(name)
-            buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+        done.add(id(real))
+        fresh = torch.empty(tuple(real.shape), device="meta") if is_param and not random else _sentinel(real)
+        setattr(twin, name, nn.Parameter(fresh, requires_grad=False) if is_param else fresh)
+        pairs.append((prefix + name, real, None if fresh.is_meta else fresh))
+    return twin, pairs
+
+
+def _sentinel(real: torch.Tensor) -> torch.Tensor:
+    """A whole (global-shape) CPU tensor to initialize in place of ``real``: fp32 NaNs for floating point, the
+    smallest integer otherwise, so that what the model's rule leaves unset shows."""
+    shape = tuple(real.shape)  # a DTensor's is the global shape
+    if real.is_floating_point():
+        return torch.full(shape, float("nan"), device="cpu")
+    if real.dtype == torch.bool:
+        return torch.zeros(shape, dtype=torch.bool, device="cpu")
+    return torch.full(shape, torch.iinfo(real.dtype).min, dtype=real.dtype, device="cpu")
+
+
+def _unset(value: torch.Tensor) -> bool:
+    if value.is_floating_point():
+        return bool(torch.isnan(value).any())
+    if value.dtype == torch.bool:
+        return False  # no sentinel value: a boolean buffer's rule is trusted
+    return bool((value == torch.iinfo(value.dtype).min).any())
