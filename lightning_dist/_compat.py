@@ -10,6 +10,14 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+# transformers' private APIs live in a module of their own, read through this one (_compat.attn_implementation, ...)
+from lightning_dist._compat_hf import attn_implementation as attn_implementation
+from lightning_dist._compat_hf import hf_init_weights as hf_init_weights
+from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
+from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
+
+# transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -365,26 +373,6 @@ def torch_ring_attention(on: bool, rotate: str = "allgather") -> None:
     cp.set_rotate_method(rotate)  # both read by every ring call, forward and backward (off: torch's defaults again)
     cp._cp_options.enable_load_balance = True
     (cp._enable_context_parallel_dispatcher if on else cp._disable_context_parallel_dispatcher)()
-
-
-# -------------------------------------------------------------------------------------------------------- transformers
-def set_attn_implementation(config: Any, name: str) -> None:
-    """Make models built from the transformers ``config`` use the attention implementation ``name`` (``"sdpa"``...).
-
-    transformers (4.x to 5.x) has no public setter: ``from_pretrained`` sets the private ``_attn_implementation``."""
-    config._attn_implementation = name
-
-
-def attn_implementation(config: Any, default: str = "sdpa") -> str:
-    """The attention implementation the transformers ``config`` asks for (its private ``_attn_implementation``);
-    ``default`` where the config has no such attribute."""
-    return getattr(config, "_attn_implementation", default)
-
-
-def hf_init_weights(model: Any, module: nn.Module) -> None:
-    """A transformers model's own initialization rule applied to ``module`` alone: ``PreTrainedModel._init_weights``
-    (an override point every family defines or inherits; transformers calls it on every module after a build)."""
-    model._init_weights(module)
 
 
 # ----------------------------------------------------------------------------------------------------------- submitit

@@ -125,7 +125,7 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 def _layers_path(model: nn.Module) -> str:
     """The name of the container of the decoder layers: the module list holding a class ``_no_split_modules`` names
     (transformers' unit of device placement), else the longest module list ("" when there is none)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = _compat.hf_no_split_modules(model)
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
     for name, container in lists:
         if any(type(child).__name__ in names for child in container.children()):

@@ -95,7 +95,7 @@ def rehearse(cfg: TrainConfig, rank: int, callbacks: Sequence[pl.Callback] = ())
             "agree on activation shapes over P2P messages, which the fake backend cannot carry); rehearse pp=1."
         )
     cfg = copy.deepcopy(cfg)
-    cfg.logger.kind = "none"
+    cfg.logger = {}  # no logger
     cfg.trainer.enable_checkpointing = False
     cfg.telemetry.report = False
     cfg.resilience.on_nonfinite = "skip"  # the values are not real: a NaN is no news here

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,7 +74,8 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path:
     dirpath = tmp_path / "checkpoints"
     strategy = SimpleNamespace(barrier=lambda: None, broadcast=lambda value: value)
 
-    def save_checkpoint(path: Path) -> None:  # DCP's order: the shards, then .metadata; Lightning's file last
+    def save_checkpoint(path: Path, **kwargs: Any) -> None:
+        # DCP's order: the shards, then .metadata; Lightning's file last
         path.mkdir()
         (path / "__0_0.distcp").write_bytes(b"shard")
         if trainer.global_step == 6:
@@ -154,7 +156,7 @@ def test_saves_by_wall_time_follow_rank_zeros_clock(tmp_path: Path) -> None:
     decisions = []
     strategy = SimpleNamespace(barrier=lambda: None, broadcast=lambda due: decisions.append(due) or due)
     trainer = SimpleNamespace(global_step=1, is_global_zero=True, strategy=strategy)
-    trainer.save_checkpoint = lambda path: (path.mkdir(), (path / ".metadata").touch())
+    trainer.save_checkpoint = lambda path, **kwargs: (path.mkdir(), (path / ".metadata").touch())
     saver = RunCheckpoints(tmp_path, every_n_minutes=0.5)
     saver.on_train_batch_end(trainer, None)
     assert decisions == [False] and saver.last_path is None  # not yet due
