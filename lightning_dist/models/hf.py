@@ -20,6 +20,7 @@ Needs the optional extra ``lightning-dist[hf]`` (transformers). No distributed c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
@@ -59,10 +61,6 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny_mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
     "tiny_gpt2": ("GPT2Config", _TINY_GPT2),
 }
-#: The parts of a Llama-style and of a GPT-2-style causal LM, by attribute path.
-_LLAMA_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
-_GPT2_PARTS = ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head")
-
 
 class _Conv1DStyle(ParallelStyle):
     """Column- or row-wise sharding of transformers' ``Conv1D`` (a linear layer whose weight is stored (in, out)).
@@ -153,54 +151,6 @@ def causal_lm_loss(logits: Tensor, targets: Tensor, scale: Tensor | None = None)
     """Mean next-token cross-entropy in float32 over the targets that are not ``-100``; with ``scale`` (masked data:
     the step's ``G / N``) ``sum * scale / B``, this micro batch's share of the global batch's token mean."""
     return token_loss(logits, targets, scale)
-
-
-def causal_lm_stage_forward(self: nn.Module, hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
-    """Forward of one pipeline stage of a Llama-style causal LM (``self`` is the stage's view of the model).
-
-    Runs the embedding only where the stage holds it, then its decoder layers with the rotary tables and the causal
-    mask made from the local sequence (every stage keeps ``rotary_emb``: buffers only), then norm and head where held.
-    ``position_ids`` (1, T): the tokens' positions, ``arange(T)`` when not given (context parallelism passes this
-    rank's global ones).
-    """
-    from transformers.masking_utils import create_causal_mask
-
-    inner = self.model
-    if inner.embed_tokens is not None:
-        hidden = inner.embed_tokens(hidden)
-    if position_ids is None:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    mask = create_causal_mask(
-        config=inner.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
-    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-    for layer in inner.layers:
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
-    if inner.norm is not None:
-        hidden = inner.norm(hidden)
-    if self.lm_head is not None:
-        hidden = self.lm_head(hidden)
-    return hidden
-
-
-def gpt2_stage_forward(self: nn.Module, hidden: Tensor) -> Tensor:
-    """Forward of one pipeline stage of a GPT-2 causal LM (learned positions, ``transformer.h`` blocks)."""
-    from transformers.masking_utils import create_causal_mask
-
-    inner = self.transformer
-    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    if inner.wte is not None:
-        hidden = inner.drop(inner.wte(hidden) + inner.wpe(position_ids))
-    mask = create_causal_mask(
-        config=inner.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
-    for block in inner.h:
-        hidden = block(hidden, None, mask, position_ids=position_ids)
-    if inner.ln_f is not None:
-        hidden = inner.ln_f(hidden)
-    if self.lm_head is not None:
-        hidden = self.lm_head(hidden)
-    return hidden
 
 
 class HFCausalLM(pl.LightningModule):
@@ -341,31 +291,19 @@ class HFCausalLM(pl.LightningModule):
         check_context_parallel(self.hf_model_config, cp)
 
     def pipeline_spec(self) -> PipelineSpec:
-        """Decoder layers as blocks; embeddings first; final norm and head last; the stage forward above."""
-        attn = _compat.attn_implementation(self.model.config)
-        if attn not in ("sdpa", "eager"):
-            raise ValueError(f"attn_implementation={attn!r} is untested under pipelines here; load with 'sdpa'.")
-        common = {"model_attr": "model", "loss_fn": causal_lm_loss, "split_batch": split_causal_batch}
-        if all(_has_path(self.model, part) for part in _LLAMA_PARTS):
-            first, last = ("model.embed_tokens",), ("model.norm", "lm_head")
-            return PipelineSpec(
-                blocks_attr="model.layers", first=first, last=last, stage_forward=causal_lm_stage_forward, **common
-            )
-        if all(_has_path(self.model, part) for part in _GPT2_PARTS):
-            first, last = ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
-            return PipelineSpec(
-                blocks_attr="transformer.h", first=first, last=last, stage_forward=gpt2_stage_forward, **common
-            )
-        raise ValueError(
-            f"{type(self.model).__name__} is laid out neither like a Llama-style causal LM ({', '.join(_LLAMA_PARTS)}) "
-            f"nor like GPT-2 ({', '.join(_GPT2_PARTS)}); pipeline it with your own LightningModule and "
-            "pipeline_spec() (see lightning_dist.PipelineSpec)."
+        """Decoder layers as blocks, the decoder's parts before them first, its parts after them and the head last,
+        each stage running the model's own forward (``hf_pipeline.py``); read off the model, for any family.
+
+        Raises:
+            ValueError: A layout a stage cannot run (one line).
+        """
+        layout = hf_layout(self.model)
+        return PipelineSpec(
+            model_attr="model",
+            blocks_attr=layout.blocks,
+            first=layout.first,
+            last=layout.last,
+            loss_fn=causal_lm_loss,
+            split_batch=split_causal_batch,
+            stage_forward=functools.partial(hf_stage_forward, layout=layout),
         )
-
-
-def _has_path(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True

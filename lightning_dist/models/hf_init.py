@@ -110,7 +110,7 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     (the container, the decoder, the model) with its own tensors only, and every other module right below them as a
     whole subtree (a decoder layer, the embedding, the final norm, the head). A pipeline stage holds whole units only,
     so each unit is initialized alike in every layout."""
-    container = _layers_path(model)
+    container = decoder_layers_path(model)
     parts = container.split(".") if container else []
     path = {".".join(parts[:i]) for i in range(len(parts) + 1)}
     units = []
@@ -122,7 +122,7 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return units
 
 
-def _layers_path(model: nn.Module) -> str:
+def decoder_layers_path(model: nn.Module) -> str:
     """The name of the container of the decoder layers: the module list holding a class ``_no_split_modules`` names
     (transformers' unit of device placement), else the longest module list ("" when there is none)."""
     names = _compat.hf_no_split_modules(model)
