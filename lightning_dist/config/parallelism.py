@@ -53,6 +53,11 @@ class ParallelismConfig:
     cp_rotate: str = "allgather"
     """Context parallel, torch's ring attention: keys and values travel by one allgather or by alltoall (cp - 1 ring
     steps, each overlapping a block of attention); torch's set_rotate_method."""
+    tp_plan: str | None = None
+    """Tensor parallel: the plan to shard with instead of the model's own: a YAML / JSON file mapping module-name
+    patterns (relative to the LightningModule, e.g. model.model.layers.*.self_attn.q_proj) to styles (colwise,
+    rowwise, sequence, colwise_gather_output, rowwise_split_input, embedding_rowwise,
+    replicated_with_grad_allreduce), or package.module:name of such a dict (or of a function returning one)."""
     sequence_parallel: bool = True
     """Tensor parallel: shard norms and residuals along the sequence dim."""
     loss_parallel: bool = True

@@ -27,6 +27,7 @@ from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
 from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
+from lightning_dist.config.tp_plan import load_tp_plan
 from lightning_dist.config.trainer_args import adopt_lightning_names, check_trainer
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
@@ -129,6 +130,7 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
     par = cfg.parallelism
     try:
         return ParallelOptions(
+            plan=load_tp_plan(par.tp_plan),
             sequence_parallel=par.sequence_parallel,
             loss_parallel=par.loss_parallel,
             schedule=par.schedule,

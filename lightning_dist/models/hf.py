@@ -27,12 +27,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
@@ -41,15 +40,6 @@ from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
-#: transformers' tensor-parallel style names -> torch styles (outputs as plain tensors, full where HF gathers).
-_HF_STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-}
 _TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
 _TINY_GPT2 = {"vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256,
@@ -61,65 +51,6 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny_mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
     "tiny_gpt2": ("GPT2Config", _TINY_GPT2),
 }
-
-class _Conv1DStyle(ParallelStyle):
-    """Column- or row-wise sharding of transformers' ``Conv1D`` (a linear layer whose weight is stored (in, out)).
-
-    torch's styles take ``nn.Linear`` only. Colwise: weight ``Shard(1)``, bias ``Shard(0)``, replicated input, output
-    sharded on its last dim (local). Rowwise: weight ``Shard(0)``, bias replicated, input sharded on its last dim,
-    output all-reduced (local). The layer's own ``addmm`` runs on DTensors, which sum the partial products.
-    """
-
-    def __init__(self, rowwise: bool) -> None:
-        super().__init__()
-        self.rowwise = rowwise
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-
-        weight_placement, bias_placement = (Shard(0), Replicate()) if self.rowwise else (Shard(1), Shard(0))
-        input_placement, output_placement = (Shard(-1), Replicate()) if self.rowwise else (Replicate(), Shard(-1))
-
-        def partition(name: str, submodule: nn.Module, mesh: Any) -> None:
-            for pname, param in list(submodule.named_parameters(recurse=False)):
-                placement = weight_placement if pname == "weight" else bias_placement
-                submodule.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement])))
-
-        def inputs(_: nn.Module, args: tuple, mesh: Any) -> tuple:
-            return (DTensor.from_local(args[0], mesh, [input_placement], run_check=False), *args[1:])
-
-        def outputs(_: nn.Module, output: Any, mesh: Any) -> Any:
-            return output.redistribute(placements=[output_placement]).to_local()
-
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
-
-
-#: GPT-2 (transformers ships no plan): the MLP's Conv1D pair sharded; attention replicated, since its fused q/k/v
-#: projection cannot be split by a column shard without reordering (and so checkpointing) the weight.
-_GPT2_PLAN = {"transformer.h.*.mlp.c_fc": False, "transformer.h.*.mlp.c_proj": True}
-
-
-def hf_tensor_parallel_plan(model: nn.Module, prefix: str = "") -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan a transformers model ships (``model.tp_plan``), as torch styles under ``prefix``.
-
-    GPT-2, which ships none, gets its MLP sharded (see ``_GPT2_PLAN``).
-    """
-    if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":
-        return {prefix + pattern: _Conv1DStyle(rowwise) for pattern, rowwise in _GPT2_PLAN.items()}
-    shipped = dict(getattr(model, "tp_plan", None) or {})
-    if not shipped:
-        raise ValueError(
-            f"{type(model).__name__} ships no tensor-parallel plan (model.tp_plan is empty); pass "
-            "plan={'model.layers.*.self_attn.q_proj': 'colwise', ...} to the strategy, or use tp=1."
-        )
-    plan: dict[str, ParallelStyle] = {}
-    for pattern, style in shipped.items():
-        if style not in _HF_STYLES:
-            raise ValueError(
-                f"{type(model).__name__}.tp_plan[{pattern!r}] = {style!r} has no torch equivalent here (known: "
-                f"{sorted(_HF_STYLES)}); pass plan= to the strategy with torch ParallelStyles for this model."
-            )
-        plan[prefix + pattern] = _HF_STYLES[style]()
-    return plan
 
 
 def split_causal_batch(batch: Any) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -280,11 +211,11 @@ class HFCausalLM(pl.LightningModule):
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
         """The model's shipped plan (logits gathered whole: HF's own ``colwise_gather_output`` head)."""
-        return hf_tensor_parallel_plan(self.model, prefix="model.")
+        return hf_tensor_parallel_plan(self.model, hf_layout(self.model).blocks, prefix="model.")
 
     def context_parallel_spec(self) -> ContextParallelSpec:
         """The attention modules (routed through transformers' attention hook) and the model taking ``position_ids``."""
-        return hf_context_parallel_spec("model.")
+        return hf_context_parallel_spec(self.model, hf_layout(self.model).blocks, "model.")
 
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``)."""

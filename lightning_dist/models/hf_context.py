@@ -1,4 +1,4 @@
-"""How a HuggingFace Llama-family causal LM takes part in context parallelism, through transformers' attention hook.
+"""How a HuggingFace causal LM takes part in context parallelism, through transformers' attention hook.
 
 transformers calls the attention function registered under ``config._attn_implementation`` with ``q`` / ``k`` / ``v``
 already RoPE-rotated, (B, H, T, D). Before the strategy applies context parallelism (``parallel/context.py``), the
@@ -29,25 +29,35 @@ from lightning_dist.parallel.context import ContextParallelSpec, apply_change
 CP_ATTENTION = "lightning_dist_cp"
 #: The attribute of each attention module that holds the strategy's cp attention ``(q, k, v, scale=) -> out``.
 ATTRIBUTE = "context_parallel_attention"
-#: Model types whose attention goes through ``AttentionInterface`` with rotary positions and no learned positions.
-FAMILIES = ("llama", "mistral", "qwen2")
-#: The attention modules, relative to the transformers causal LM.
-_ATTENTION_MODULES = "model.layers.*.self_attn"
+#: Config fields of attention the cp attention (plain causal attention, positions by ``position_ids``) does not do,
+#: each with why: a model whose config sets one is refused before launch.
+UNSUPPORTED = {
+    "attn_logit_softcapping": "soft-capped attention scores",
+    "alibi": "ALiBi position biases (no position_ids to split)",
+    "use_alibi": "ALiBi position biases (no position_ids to split)",
+    "position_embedding_type": "learned absolute position embeddings",
+}
 
 
 def check_context_parallel(config: Any, cp: int) -> None:
     """Raise a one-line ``ValueError`` when ``cp`` cannot split the sequences of the model of this transformers
-    ``config``."""
+    ``config``: the cp attention is causal attention over global positions (rotary ones, given by ``position_ids``),
+    without sliding windows, soft-capping, position biases or dropout. The family matrix (``docs/hf.md``) says which
+    families equal one process under cp."""
     if cp == 1:
         return
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"cp={cp} with a HuggingFace {model_type!r} model: context parallelism supports the rotary-position "
-            f"families {', '.join(FAMILIES)} (not learned position embeddings); set cp=1."
-        )
+    for key, what in UNSUPPORTED.items():
+        value = getattr(config, key, None)
+        if value not in (None, False, 0, 0.0, "rope", "rotary"):
+            raise ValueError(
+                f"cp={cp} with a HuggingFace {model_type!r} model ({key}={value}: {what}): the cp attention is plain "
+                "causal attention; set cp=1."
+            )
     window = getattr(config, "sliding_window", None)
-    if window is not None:
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = window is not None and (not layer_types or "sliding_attention" in layer_types)
+    if sliding and getattr(config, "use_sliding_window", True):
         raise ValueError(
             f"cp={cp} with sliding_window={window}: the cp attention is full causal attention; set the model "
             "config's sliding_window=None, or cp=1."
@@ -57,33 +67,51 @@ def check_context_parallel(config: Any, cp: int) -> None:
         raise ValueError(f"cp={cp} with attention_dropout={dropout}: the cp attention has none; set it to 0, or cp=1.")
 
 
-def hf_context_parallel_spec(prefix: str) -> ContextParallelSpec:
-    """The attention modules and the ``position_ids`` taker of the transformers causal LM at ``prefix`` (e.g.
-    ``"model."`` inside ``HFCausalLM``)."""
+def hf_context_parallel_spec(model: nn.Module, blocks: str, prefix: str) -> ContextParallelSpec:
+    """The attention modules and the ``position_ids`` taker of the transformers causal LM ``model`` at ``prefix``
+    (``"model."`` inside ``HFCausalLM``); ``blocks``: the path of its decoder-layer list in it."""
+    pattern = attention_modules(model, blocks)
     return ContextParallelSpec(
-        attention=(prefix + _ATTENTION_MODULES,),
+        attention=(prefix + pattern,),
         attention_attr=ATTRIBUTE,
         position_ids=prefix.rstrip("."),  # "": the module itself
-        prepare=functools.partial(route_attention, path=prefix.rstrip(".")),
+        prepare=functools.partial(route_attention, path=prefix.rstrip("."), pattern=pattern),
     )
 
 
-def route_attention(module: nn.Module, path: str = "") -> None:
+def attention_modules(model: nn.Module, blocks: str) -> str:
+    """The pattern of the attention modules of ``model``'s decoder layers (``model.layers.*.self_attn``): the child
+    of a layer whose class is an ``...Attention``.
+
+    Raises:
+        ValueError: The layers have no such child (one line).
+    """
+    layer = next(iter(model.get_submodule(blocks).children()))
+    for name, child in layer.named_children():
+        if type(child).__name__.endswith("Attention"):
+            return f"{blocks}.*.{name}"
+    raise ValueError(
+        f"{type(model).__name__}'s decoder layers ({type(layer).__name__}) have no attention module (a child whose "
+        "class ends in Attention) for the cp attention to take; set cp=1."
+    )
+
+
+def route_attention(module: nn.Module, path: str = "", pattern: str = "model.layers.*.self_attn") -> None:
     """Make the transformers model at ``path`` in ``module`` (this instance) call :func:`cp_attention_forward`, which
     calls each attention module's :data:`ATTRIBUTE` (``None`` until the strategy fills it). Recorded as a change of
     context parallelism: undone with it, the model runs its own attention implementation again."""
     import transformers  # optional dependency: lightning-dist[hf]
 
     transformers.AttentionInterface.register(CP_ATTENTION, cp_attention_forward)
-    apply_change(module.get_submodule(path), _route)
+    apply_change(module.get_submodule(path), functools.partial(_route, pattern=pattern))
 
 
-def _route(model: nn.Module) -> Callable[[nn.Module], None]:
+def _route(model: nn.Module, pattern: str) -> Callable[[nn.Module], None]:
     previous = _compat.attn_implementation(model.config)
     added = [
         child
         for name, child in model.named_modules()
-        if fnmatch.fnmatchcase(name, _ATTENTION_MODULES) and not hasattr(child, ATTRIBUTE)
+        if fnmatch.fnmatchcase(name, pattern) and not hasattr(child, ATTRIBUTE)
     ]
     for child in added:
         setattr(child, ATTRIBUTE, None)

@@ -3,8 +3,8 @@
 The layout is read off the model, for any family: its decoder (``model.<base_model_prefix>``: ``model``,
 ``transformer``, ``gpt_neox``, ...), the container of its decoder layers (the module list of the classes
 transformers never splits, ``_no_split_modules``), the decoder's parts with parameters registered before the layers
-(embeddings: the first stage's) and after them (the final norm: the last stage's, with the output head); parts
-without parameters (the rotary embedding, dropout) stay on every stage.
+(embeddings: the first stage's) and after them (the final norm, with or without parameters: the last stage's, with
+the output head); the rotary embedding (buffers only) and dropout before the layers stay on every stage.
 
 A stage then runs the family's own code, so what a family adds comes with it: embedding scales and multipliers,
 logit scaling and soft-capping, per-layer attention types and sliding windows, the masks. A stage after the first
@@ -72,6 +72,9 @@ def hf_layout(model: nn.Module) -> HFLayout:
             seen = True
         elif _has_parameters(module):
             (last if seen else first).append(f"{prefix}.{child}")
+        elif seen and not any(True for _ in module.buffers()):
+            last.append(f"{prefix}.{child}")  # a final norm without parameters (OLMo's): not on earlier stages
+        # else: kept on every stage: tables (the rotary embedding's buffers), dropout before the layers
     return HFLayout(prefix, blocks, tuple(first), (*last, *([head_name] if head_name else [])))
 
 

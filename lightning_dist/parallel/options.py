@@ -36,6 +36,10 @@ DDP_COMM_HOOKS = ("bf16", "fp16", "powersgd")
 CP_ATTENTIONS = ("auto", "allgather", "torch")
 #: How torch's ring attention passes keys and values around the cp group (torch's ``set_rotate_method``).
 CP_ROTATES = ("allgather", "alltoall")
+#: Tensor-parallel style names a plan may give (``parallel/tensor.py: STYLE_NAMES`` makes them torch styles; here
+#: without torch, for the checks before launch).
+TP_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_gather_output", "colwise_rep", "rowwise_split_input",
+                  "rowwise_rep", "embedding_rowwise", "replicated_with_grad_allreduce")  # fmt: skip
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_TIMEOUT = timedelta(minutes=10)

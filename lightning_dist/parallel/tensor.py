@@ -1,8 +1,9 @@
 """Tensor parallelism: apply a plan of torch ``ParallelStyle``s to module-name patterns.
 
 A plan maps patterns such as ``"layers.*.attn.q_proj"`` (``fnmatch`` on the full module name) to a
-``ParallelStyle`` or one of the strings ``"colwise"``, ``"rowwise"``, ``"sequence"``. Every pattern must match at
-least one module: a typo in a plan is an error, not a silently unsharded layer.
+``ParallelStyle`` or one of the names in :data:`STYLE_NAMES` (ours, ``"colwise"``, ``"rowwise"``, ``"sequence"``,
+and the names transformers' shipped plans use). Every pattern must match at least one module: a typo in a plan is an
+error, not a silently unsharded layer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -26,17 +27,57 @@ from torch.distributed.tensor.parallel import (
 
 TensorParallelPlan = Mapping[str, "ParallelStyle | str"]
 
-_NAMED_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+
+class ReplicateShardedInput(ParallelStyle):
+    """A module whose parameters stay whole on every tp rank but whose input is this rank's shard (a norm over each
+    attention head's width, applied to the heads a column-sharded projection left here: Qwen3's and Gemma3's q / k
+    norms; transformers' ``replicated_with_grad_allreduce``).
+
+    The input is marked sharded on ``input_dim`` (any dim the module does not reduce over), so the parameters'
+    gradients come out as partial sums and are summed over the tp ranks, as in one process; marked replicated, each
+    rank would step its copy with its own heads' gradient alone, and the copies would drift apart.
+    """
+
+    def __init__(self, input_dim: int = -2) -> None:
+        super().__init__()
+        self.input_dim = input_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(_: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(self.input_dim % x.ndim)], run_check=False)
+                if isinstance(x, Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=ReplicateParallel._unwrap_outputs)
+
+
+#: Style names a plan may use: ours, and the ones transformers' shipped plans use (``base_model_tp_plan``), each made
+#: fresh per module (the names also in ``options.TP_STYLE_NAMES``, for checks without torch). Inputs and outputs are
+#: plain local tensors, as transformers' own styles leave them.
+STYLE_NAMES: dict[str, Any] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "sequence": SequenceParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),  # each rank gets the whole output
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),  # a whole input, split here
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab rows sharded, ids whole
+    "replicated_with_grad_allreduce": ReplicateShardedInput,
+}
 
 
 def resolve_style(style: ParallelStyle | str) -> ParallelStyle:
-    """A ``ParallelStyle`` from a style or its short name."""
+    """A ``ParallelStyle`` from a style or its name (:data:`STYLE_NAMES`)."""
     if isinstance(style, ParallelStyle):
         return style
-    if isinstance(style, str) and style in _NAMED_STYLES:
-        return _NAMED_STYLES[style]()
+    if isinstance(style, str) and style in STYLE_NAMES:
+        return STYLE_NAMES[style]()
     raise ValueError(
-        f"tensor-parallel style {style!r} is unknown; use a torch ParallelStyle or one of {sorted(_NAMED_STYLES)}."
+        f"tensor-parallel style {style!r} is unknown; use a torch ParallelStyle or one of {sorted(STYLE_NAMES)}."
     )
 
 
