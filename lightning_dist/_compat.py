@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_dist._compat_hf import attn_implementation as attn_implementation
 from lightning_dist._compat_hf import hf_init_weights as hf_init_weights
 from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
+from lightning_dist._compat_hf import hf_supported_attention as hf_supported_attention
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
 # transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)

@@ -34,3 +34,15 @@ def hf_no_split_modules(model: Any) -> set[str]:
     """The class names of the modules transformers never splits across devices (its decoder layers): the private
     ``_no_split_modules`` of a ``PreTrainedModel`` (empty when it has none)."""
     return set(getattr(model, "_no_split_modules", None) or ())
+
+
+def hf_supported_attention(model_class: type) -> set[str]:
+    """The attention implementations a transformers model class declares it supports: ``eager`` always, and
+    ``sdpa`` / ``flash_attention_2`` / ``flex_attention`` by its private ``_supports_sdpa`` / ``_supports_flash_attn``
+    / ``_supports_flex_attn`` flags (transformers 4.4x to 5.x)."""
+    flags = {
+        "sdpa": "_supports_sdpa",
+        "flash_attention_2": "_supports_flash_attn",
+        "flex_attention": "_supports_flex_attn",
+    }
+    return {"eager"} | {name for name, flag in flags.items() if getattr(model_class, flag, False)}

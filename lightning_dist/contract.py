@@ -20,6 +20,7 @@ from typing_extensions import get_protocol_members
 
 from lightning_dist._compat import module_children
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.data import repeated_blocks
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.pipeline import PipelineSpec
 from lightning_dist.parallel.tensor import TensorParallelPlan
@@ -112,10 +113,12 @@ def module_hook(module: Any, name: str) -> Callable[..., Any] | None:
 
 
 def declared_blocks(module: Any) -> list[Any]:
-    """The blocks a module declares through ``pipeline_spec()`` (FSDP2 wraps them one by one); [] without one."""
+    """The blocks FSDP2 wraps one by one (and activation checkpointing and compile take): those the module declares
+    through ``pipeline_spec()``, else the model's repeated blocks (``parallel.data.repeated_blocks``: its longest
+    list of same-class modules), so FSDP2 never needs a pipeline spec; [] when there are none."""
     spec_fn = module_hook(module, "pipeline_spec")
     if spec_fn is None:
-        return []
+        return repeated_blocks(module)
     spec = spec_fn()
     return list(module_children(spec.blocks(spec.model(module))).values())
 

@@ -255,8 +255,12 @@ class HFModelConfig:
     (meta-llama/Llama-3.1-8B) found in the local HuggingFace cache (HF_HUB_CACHE / HF_HOME; never downloaded). Each
     rank reads only its slices once the layout is applied (as init_from does); ignored when the run continues from
     a checkpoint."""
-    attn_implementation: str = "sdpa"
-    """transformers attention implementation."""
+    attn_implementation: str = "auto"
+    """transformers' attention implementation: auto (the family's own choice: sdpa where it supports it, else eager),
+    sdpa, eager, flash_attention_2 or flex_attention; one the family does not support is refused before launch."""
+    allow_untested_family: bool = False
+    """Run a family the family matrix does not list (a newer transformers; docs/reference/hf-families.md): its
+    layouts were not checked against one process."""
 
 
 @dataclass

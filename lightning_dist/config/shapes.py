@@ -50,8 +50,29 @@ def hf_config(model: HFModelConfig) -> Any:
                 f"model.config={name!r} is neither a built-in tiny config ({', '.join(TINY_CONFIGS)}) nor a "
                 f"local transformers config ({str(err).splitlines()[0]}); give a directory holding config.json."
             ) from None
-    _compat.set_attn_implementation(config, model.attn_implementation)
+    _compat.set_attn_implementation(config, attention_for(config, model.attn_implementation))
     return config
+
+
+def attention_for(config: Any, asked: str) -> str:
+    """The attention implementation to build ``config``'s model with: ``auto`` is the family's own choice (sdpa where
+    its class supports it, else eager).
+
+    Raises:
+        ValueError: An implementation the family's class does not support (one line naming the field).
+    """
+    from lightning_dist.models.hf_init import causal_lm_class  # deferred: transformers' classes (model=hf only)
+
+    model_class = causal_lm_class(config)
+    supported = _compat.hf_supported_attention(model_class)
+    if asked == "auto":
+        return "sdpa" if "sdpa" in supported else "eager"
+    if asked not in supported:
+        raise ValueError(
+            f"model.attn_implementation={asked}: {model_class.__name__} does not support it (it supports "
+            f"{', '.join(sorted(supported))}); set model.attn_implementation=auto or one of those."
+        )
+    return asked
 
 
 #: HuggingFace model types whose layout the built-in GPT's ``arch=llama`` has (the planner estimates them as it).

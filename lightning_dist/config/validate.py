@@ -32,6 +32,7 @@ from lightning_dist.config.trainer_args import adopt_lightning_names, check_trai
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.models.hf_families import check_family
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -216,6 +217,9 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
     if dims.cp_enabled:
         _check_context_parallel(cfg, dims, gpt)
+    if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
+        start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
+        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family)
     if not dims.pp_enabled:
         return
     num_stages = dims.pp * par.stages_per_rank

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
+from lightning_dist.models.hf_families import check_family
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
 from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
@@ -111,6 +112,7 @@ class HFCausalLM(pl.LightningModule):
             ``InitWeights``, a checkpoint): :meth:`reset_parameters` then only zeroes them instead of drawing them.
         hf_source: The HuggingFace folder the weights come from, kept in the checkpoint so ``lightning-dist-export``
             copies its tokenizer and generation config next to the exported weights.
+        allow_untested_family: Run layouts of a family the family matrix does not list (``hf_families.py``).
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class HFCausalLM(pl.LightningModule):
         init_seed: int = 0,
         random_init: bool = True,
         hf_source: str | None = None,
+        allow_untested_family: bool = False,
     ) -> None:
         super().__init__()
         given = {"lr": lr, "weight_decay": weight_decay}
@@ -132,6 +135,7 @@ class HFCausalLM(pl.LightningModule):
         self.init_seed = init_seed
         self.random_init = random_init
         built = isinstance(model, nn.Module)
+        self._built, self.allow_untested_family = built, allow_untested_family
         self.hf_model_config = model.config if built else model
         self.model: nn.Module | None = model if built else None
         # The checkpoint names its model: lightning-dist-export writes the HuggingFace folder back from these.
@@ -218,8 +222,18 @@ class HFCausalLM(pl.LightningModule):
         return hf_context_parallel_spec(self.model, hf_layout(self.model).blocks, "model.")
 
     def check_context_parallel(self, cp: int) -> None:
-        """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``)."""
+        """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``) or the family
+        matrix does not vouch for it (``hf_families.py``)."""
         check_context_parallel(self.hf_model_config, cp)
+        self._check_family({"cp": cp})
+
+    def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
+        """Raise before sharding when the family matrix does not vouch for tensor parallelism of this family."""
+        self._check_family({"tp": tp})
+
+    def _check_family(self, degrees: dict[str, int]) -> None:
+        start = None if self._built else "init" if self.random_init else "pretrained"
+        check_family(self.hf_model_config, degrees, start, self.allow_untested_family)
 
     def pipeline_spec(self) -> PipelineSpec:
         """Decoder layers as blocks, the decoder's parts before them first, its parts after them and the head last,

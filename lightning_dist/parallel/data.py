@@ -63,3 +63,19 @@ def param_dtype_of(precision: str) -> torch.dtype | None:
     """FSDP2's parameter dtype for Lightning's precision string: bf16 / fp16 for ``*-mixed``, else ``None`` (keep
     the parameter dtype)."""
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks of a model that declares none: the children of the module list (``nn.ModuleList`` /
+    ``nn.Sequential`` / ``nn.ModuleDict``) with the most children, at least two, all of one class and holding
+    parameters (a transformer's layers); ``[]`` when no list looks so. What FSDP2 wraps one by one, and what
+    activation checkpointing and compile take, for a module without ``pipeline_spec()``."""
+    best: list[nn.Module] = []
+    for container in module.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue
+        children = list(container.children())
+        same = len({type(child) for child in children}) == 1
+        if same and len(children) >= 2 and len(children) > len(best) and any(True for _ in children[0].parameters()):
+            best = children
+    return best

@@ -43,7 +43,10 @@ OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich",
 DEFERRED: dict[str, tuple[str, ...]] = {
     "lightning_dist.config.environment": ("torch",),  # CUDA devices, for cluster.accelerator=gpu / auto
     "lightning_dist.config.pretrained": ("lightning_dist.checkpoint.weights",),  # model.pretrained only
-    "lightning_dist.config.shapes": ("lightning_dist.models.hf",),  # model=hf only
+    "lightning_dist.config.shapes": (
+        "lightning_dist.models.hf",  # model=hf only
+        "lightning_dist.models.hf_init",  # model=hf only: its class's attention implementations
+    ),
     "lightning_dist.config.validate": (
         "lightning_dist.config.resume",  # a checkpoint or weights to start from
         "lightning_dist.data.datamodule",  # data=text / tokens / hf: their files are read before launch

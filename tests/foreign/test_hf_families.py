@@ -1,0 +1,131 @@
+"""Every HuggingFace family: exact or refused before launch, never silently different.
+
+- The family matrix (``lightning_dist/models/hf_families.json``, shown in ``docs/reference/hf-families.md``) lists
+  every decoder-only causal LM of the installed transformers; a new release fails here until it is regenerated
+  (``python tests/support/hf_matrix.py --write``), so a new family is a new row, not a silent difference.
+- Every family's meta-device build gets transformers' own values (``init``), as the matrix says.
+- The layouts that exercise what families add, on 2 ranks against one process: Gemma2's logit soft-capping,
+  embedding scale and sliding windows, Gemma3's per-layer attention types, Granite's multipliers, a Mistral window
+  below the sequence, OLMo's final norm without parameters, the TP styles of Qwen3 (per-head norms), Phi3 (fused
+  projections) and OLMo2 (full-width norms), GPT-NeoX under FSDP2 without a pipeline spec.
+- What the matrix refuses is one line before launch, and so are an attention implementation a family lacks and a
+  bad ``parallelism.tp_plan``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import FAST, compose_config
+from support.hf_matrix import DOCS_PATH, LAYOUTS, RTOL, check_init, fit_losses, markdown, verdict
+from support.hf_tiny import decoder_families, tiny_config
+
+from lightning_dist.config.validate import validate
+from lightning_dist.models.hf_families import family_matrix
+from lightning_dist.run.launch import launch
+
+#: (family, layout) pairs run here on every test run; the whole matrix is `hf_matrix.py`'s (about 15 minutes).
+CURATED = [("gemma2", "pp2"), ("gemma2", "tp2"), ("gemma3_text", "pp2"), ("granite", "pp2"), ("mistral", "pp2"),
+           ("olmo", "pp2"), ("qwen3", "tp2"), ("phi3", "tp2"), ("olmo2", "tp2"), ("gpt_neox", "fsdp2")]  # fmt: skip
+
+
+def test_the_matrix_lists_every_family_of_the_installed_transformers() -> None:
+    import transformers
+
+    matrix = family_matrix()
+    assert matrix["transformers"] == transformers.__version__, (
+        f"the family matrix is of transformers {matrix['transformers']}, {transformers.__version__} is installed: "
+        "regenerate it (python tests/support/hf_matrix.py --write)"
+    )
+    assert sorted(matrix["families"]) == decoder_families()
+    assert DOCS_PATH.read_text() == markdown(matrix), "docs/reference/hf-families.md is stale: run hf_matrix.py --write"
+
+
+@pytest.mark.parametrize("family", decoder_families())
+def test_every_family_is_built_with_transformers_values_as_the_matrix_says(family: str) -> None:
+    assert check_init(family) == family_matrix()["families"][family]["init"]
+
+
+def test_gemma_gets_its_embedding_scale_and_zero_centred_norms() -> None:
+    """The bug that trained a garbage Gemma: ``embed_scale`` (a non-persistent buffer) was uninitialized memory after
+    the meta-device build, and the norms (applied as 1 + w) started at one."""
+    from lightning_dist.models.hf_init import build_causal_lm, init_causal_lm
+
+    model = build_causal_lm(tiny_config("gemma2"))
+    model.to_empty(device="cpu")
+    init_causal_lm(model, seed=0)
+    assert float(model.model.embed_tokens.embed_scale) == pytest.approx(math.sqrt(model.config.hidden_size))
+    assert all(float(layer.input_layernorm.weight.abs().max()) == 0.0 for layer in model.model.layers)
+
+
+def _curated_ranks() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {f"{family}|{layout}": fit_losses(family, LAYOUTS[layout]) for family, layout in CURATED}
+
+
+def _curated_one_process() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {family: fit_losses(family, None) for family in sorted({family for family, _ in CURATED})}
+
+
+@pytest.fixture(scope="module")
+def curated() -> dict[str, Any]:
+    one = launch(_curated_one_process, 1)[0]
+    ranks = launch(_curated_ranks, 2)[0]
+    return {f"{family}|{layout}": (ranks[f"{family}|{layout}"], one[family]) for family, layout in CURATED}
+
+
+@pytest.mark.parametrize("family,layout", CURATED, ids=[f"{f}-{lay}" for f, lay in CURATED])
+def test_what_a_family_adds_survives_the_layout(curated: dict[str, Any], family: str, layout: str) -> None:
+    losses, reference = curated[f"{family}|{layout}"]
+    assert verdict(losses, reference) == "exact", (losses, reference, RTOL)
+    assert family_matrix()["families"][family][layout] == "exact"
+
+
+def _config_dir(family: str, folder: Path) -> str:
+    tiny_config(family).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "family,layout,message",
+    [
+        ("stablelm", "parallelism=tp", r"parallelism.tp=2 with model=hf 'stablelm': not exact for this family .*tp2:"),
+        ("gemma2", "parallelism=fsdp", r"model.attn_implementation=sdpa: Gemma2ForCausalLM does not support it"),
+    ],
+)
+def test_a_refused_family_layout_is_one_line_before_launch(family: str, layout: str, message: str, tmp_path: Path):
+    overrides = [*FAST, "model=hf", f"model.config={_config_dir(family, tmp_path / 'config')}", layout]
+    if family == "gemma2":
+        overrides.append("model.attn_implementation=sdpa")
+    with pytest.raises(ValueError, match=message):
+        validate(compose_config(overrides))
+
+
+def test_a_family_the_matrix_does_not_list_is_refused_unless_asked(tmp_path: Path, monkeypatch) -> None:
+    from lightning_dist.models import hf_families
+
+    config = _config_dir("llama", tmp_path / "config")
+    rows = {k: v for k, v in family_matrix()["families"].items() if k != "llama"}
+    monkeypatch.setattr(hf_families, "family_matrix", lambda: {**family_matrix(), "families": rows})
+    overrides = [*FAST, "model=hf", f"model.config={config}", "parallelism=fsdp"]
+    with pytest.raises(ValueError, match=r"'llama' is not in the family matrix .* model.allow_untested_family=true"):
+        validate(compose_config(overrides))
+    validate(compose_config([*overrides, "model.allow_untested_family=true"]))
+
+
+def test_a_tensor_parallel_plan_from_the_command_line(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model.model.layers.*.self_attn.q_proj: colwise\nmodel.model.layers.*.self_attn.o_proj: rowwise\n")
+    overrides = [*FAST, "model=hf", "model.config=tiny_llama", "parallelism=tp", f"parallelism.tp_plan={plan}"]
+    assert dict(validate(compose_config(overrides)).options.plan) == {
+        "model.model.layers.*.self_attn.q_proj": "colwise",
+        "model.model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    plan.write_text("model.model.layers.*.self_attn.q_proj: columnwise\n")
+    with pytest.raises(ValueError, match=r"style 'columnwise' of 'model.model.layers.\*.self_attn.q_proj' is unknown"):
+        validate(compose_config(overrides))

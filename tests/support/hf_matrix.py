@@ -1,0 +1,248 @@
+"""The HuggingFace family matrix: every decoder-only causal LM of the installed transformers, built and trained by
+lightning-dist, against transformers' own build and against one process.
+
+For each family (``hf_tiny.tiny_config``):
+
+- ``init``: the model built on the meta device and initialized by :func:`~lightning_dist.models.hf_init.init_causal_lm`
+  against ``cls(config)``: every buffer and every constant tensor equal, every random one of the same spread (std
+  within 25%).
+- ``pretrained``: transformers' model saved with ``save_pretrained`` and read by ``InitWeights`` into a model built
+  on the meta device: the first training loss equal to transformers' forward on the same batch (rtol 1e-5).
+- ``fsdp2``, ``tp2``, ``pp2``, ``cp2``: 4 AdamW steps of ``HFCausalLM(config)`` on 2 CPU ranks against the same steps
+  in one process, the losses equal (rtol 1e-5).
+
+A verdict is ``exact`` or the one line saying why not (an error, or how far it differs); anything but ``exact`` is
+refused before launch (``lightning_dist/models/hf_families.py``). ``python tests/support/hf_matrix.py --write``
+writes ``lightning_dist/models/hf_families.json`` and ``docs/reference/hf-families.md`` (about 15 minutes on 2 cores);
+``tests/foreign/test_hf_families.py`` checks that they describe the installed transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "support")]
+
+LAYOUTS: dict[str, dict[str, int]] = {
+    "fsdp2": {"dp_shard": 2},
+    "tp2": {"tp": 2, "dp_shard": 1},
+    "pp2": {"pp": 2, "dp_shard": 1},
+    "cp2": {"cp": 2, "dp_shard": 1},
+}
+COLUMNS = ("init", "pretrained", *LAYOUTS)
+STEPS, BATCH, SEQ, RTOL = 4, 4, 32, 1e-5
+JSON_PATH = ROOT / "lightning_dist" / "models" / "hf_families.json"
+DOCS_PATH = ROOT / "docs" / "reference" / "hf-families.md"
+
+
+def _batches() -> Any:
+    import torch
+
+    tokens = torch.randint(3, 200, (BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _line(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first}"[:200]
+
+
+def fit_losses(model_type: str, layout: dict[str, int] | None, callbacks: tuple = (), **module_kwargs: Any) -> Any:
+    """The losses of ``STEPS`` steps of ``HFCausalLM(tiny config)`` on one process (``layout=None``) or on this
+    rank of 2 under ``MeshStrategy(**layout)``; an error's one line instead when it fails."""
+    import lightning.pytorch as pl
+    from helpers import quiet_trainer
+    from hf_tiny import tiny_config
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dist import MeshStrategy
+    from lightning_dist.models.hf import HFCausalLM
+
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    try:
+        module = HFCausalLM(tiny_config(model_type), lr=1e-2, **module_kwargs)
+        per_rank = BATCH // (layout or {}).get("dp_shard", 1)
+        strategy, devices = ("auto", 1) if layout is None else (MeshStrategy(**layout), 2)
+        trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), *callbacks])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(TensorDataset(*_batches()), batch_size=per_rank))
+    except Exception as err:  # a verdict: the family under this layout fails, in one line
+        return _line(err)
+    return losses
+
+
+def check_init(model_type: str) -> str:
+    """Our meta build + init against ``cls(config)`` (see the module docstring)."""
+    import torch
+    from hf_tiny import tiny_config
+
+    from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+
+    try:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        reference = causal_lm_class(config)(config)
+        ours = build_causal_lm(config)
+        ours.to_empty(device="cpu")
+        init_causal_lm(ours, seed=0)
+    except Exception as err:
+        return _line(err)
+    theirs = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    mine = dict(ours.named_parameters()) | dict(ours.named_buffers())
+    buffers = {name for name, _ in reference.named_buffers()}
+    for name, want in theirs.items():
+        got = mine[name].detach().float()
+        want = want.detach().float()
+        if name in buffers or want.numel() < 4 or float(want.std()) == 0.0:
+            if not torch.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True):
+                return f"{name} differs from transformers' build: {_sample(got)} vs {_sample(want)}"
+        elif not math.isclose(float(got.std()), float(want.std()), rel_tol=0.25):
+            return f"{name} has std {float(got.std()):.3g} where transformers' build has {float(want.std()):.3g}"
+    return "exact"
+
+
+def _sample(tensor: Any) -> str:
+    return str([round(v, 4) for v in tensor.flatten()[:3].tolist()])
+
+
+def check_pretrained(model_type: str) -> str:
+    """transformers' weights read into a meta-built model: the first loss against transformers' own forward."""
+    import torch
+    from hf_tiny import tiny_config
+
+    from lightning_dist.callbacks.checkpoints import InitWeights
+    from lightning_dist.models.hf_init import causal_lm_class
+    from lightning_dist.models.loss import token_loss
+
+    try:
+        config = tiny_config(model_type)
+        torch.manual_seed(1)
+        reference = causal_lm_class(config)(config).eval()
+        inputs, targets = _batches()
+        with torch.no_grad():
+            want = float(token_loss(reference(input_ids=inputs[:BATCH], use_cache=False).logits, targets[:BATCH]))
+        with tempfile.TemporaryDirectory() as folder:
+            reference.save_pretrained(folder)
+            got = fit_losses(model_type, None, (InitWeights(Path(folder)),), random_init=False, hf_source=folder)
+    except Exception as err:
+        return _line(err)
+    if isinstance(got, str):
+        return got
+    if not math.isclose(got[0], want, rel_tol=RTOL):
+        return f"first loss {got[0]:.6f} where transformers gives {want:.6f}"
+    return "exact"
+
+
+def _one_process(families: list[str]) -> dict[str, dict[str, Any]]:
+    import torch
+
+    torch.set_num_threads(1)
+    found = {}
+    for model_type in families:
+        found[model_type] = {
+            "init": check_init(model_type),
+            "pretrained": check_pretrained(model_type),
+            "reference": fit_losses(model_type, None),
+        }
+    return found
+
+
+def _two_ranks(families: list[str]) -> dict[str, dict[str, Any]]:
+    import torch
+
+    torch.set_num_threads(1)
+    return {mt: {name: fit_losses(mt, layout) for name, layout in LAYOUTS.items()} for mt in families}
+
+
+def verdict(losses: Any, reference: Any) -> str:
+    """``exact`` when ``losses`` equal ``reference`` (rtol 1e-5), else why not in one line."""
+    if isinstance(losses, str):
+        return losses
+    if isinstance(reference, str):
+        return f"one process fails: {reference}"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    return "exact" if worst <= RTOL else f"differs from one process by {worst:.2g} (relative)"
+
+
+def build_matrix(families: list[str]) -> dict[str, Any]:
+    """Run every check of every family (in one spawned process, then on two spawned ranks)."""
+    import torch
+    import transformers
+    from hf_tiny import tiny_config
+
+    from lightning_dist.models.hf_init import causal_lm_class
+    from lightning_dist.run.launch import launch
+
+    one = launch(_one_process, 1, families)[0]
+    ranks = launch(_two_ranks, 2, families)[0]
+    rows = {}
+    for mt in families:
+        row = {"class": causal_lm_class(tiny_config(mt)).__name__, "init": one[mt]["init"],
+               "pretrained": one[mt]["pretrained"]}  # fmt: skip
+        for name in LAYOUTS:
+            row[name] = verdict(ranks[mt][name], one[mt]["reference"])
+        rows[mt] = row
+    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "families": rows}
+
+
+def markdown(matrix: dict[str, Any]) -> str:
+    """The docs page: one row per family, one column per check (``exact`` or the reason it is refused)."""
+    lines = [
+        "# HuggingFace families: what is exact and what is refused",
+        "",
+        f"Generated by `python tests/support/hf_matrix.py --write` on transformers {matrix['transformers']} (torch "
+        f"{matrix['torch']}, CPU, fp32); `tests/foreign/test_hf_families.py` fails when it no longer describes the "
+        "installed transformers. Each family's tiny config (`tests/support/hf_tiny.py`) is built and trained by "
+        "lightning-dist: `init` is the meta-device build against transformers' own, `pretrained` the first loss from "
+        "weights transformers saved, and each layout 4 steps on 2 CPU ranks against one process (rtol 1e-5). A cell "
+        "that is not `exact` says why, and that family is refused under that layout before launch (one line; "
+        "`model.allow_untested_family=true` runs a family this table does not list).",
+        "",
+        "| family | class | " + " | ".join(COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for mt, row in sorted(matrix["families"].items()):
+        cells = [row[column].replace("|", "/") for column in COLUMNS]
+        lines.append(f"| {mt} | {row['class']} | " + " | ".join(cells) + " |")
+    exact = {column: sum(row[column] == "exact" for row in matrix["families"].values()) for column in COLUMNS}
+    lines += ["", f"{len(matrix['families'])} families; exact: " + ", ".join(f"{c} {n}" for c, n in exact.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from hf_tiny import decoder_families
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help="model types (default: every decoder-only family)")
+    parser.add_argument("--write", action="store_true", help="write the JSON and the docs page")
+    args = parser.parse_args()
+    families = args.families or decoder_families()
+    matrix = build_matrix(families)
+    if args.write:
+        if args.families and JSON_PATH.exists():  # update these rows only
+            whole = json.loads(JSON_PATH.read_text())
+            whole["families"].update(matrix["families"])
+            matrix = {**matrix, "families": whole["families"]}
+        JSON_PATH.write_text(json.dumps(matrix, indent=1, sort_keys=True) + "\n")
+        DOCS_PATH.write_text(markdown(matrix))
+    for mt, row in matrix["families"].items():
+        if mt in families:
+            print(mt, {k: v if v == "exact" else v[:60] for k, v in row.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
