@@ -27,7 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from lightning_dist import _compat
-from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
+from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
@@ -48,22 +49,25 @@ class Checkpoint:
 
     Args:
         path: A sharded checkpoint folder, a single checkpoint file, or a run folder (its newest checkpoint).
+        checksums: Check each file's CRC-32 against the checkpoint's manifest (else sizes only) before reading it.
 
     Raises:
-        ValueError: No checkpoint there, or a damaged one (one line naming the newest whole one).
+        ValueError: No checkpoint there, or a damaged one (one line naming the file and the newest whole one).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checksums: bool = True) -> None:
         path = Path(path)
         if (path / "checkpoints").is_dir():
-            found = latest_checkpoint(path / "checkpoints")
+            published = complete_checkpoints(path / "checkpoints")
+            found = pointed(path / "checkpoints") or (published[-1] if published else None)
             if found is None:
                 raise ValueError(f"{path} is a run folder without a complete checkpoint in {path / 'checkpoints'}.")
-            path = found
+            path = found  # the run's newest: refused below if damaged, naming the newest whole one to export instead
         if not path.exists():
             raise ValueError(f"{path} does not exist; give a checkpoint folder or file, or a run folder.")
-        check_loadable(path)
+        check_loadable(path, checksums)
         self.path = path
+        self.unchecked = unchecked_note(path)  #: a line for a checkpoint without a manifest (sizes checked only)
         self._file: dict[str, Any] | None = None
         if path.is_dir():
             meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -226,11 +230,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("torch", "hf"), help="default: torch for .pt/.pth, else hf")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as stored)")
     parser.add_argument("--max-shard-size", default="5GB", help="HuggingFace shard size, e.g. 5GB or 500MB")
+    parser.add_argument(
+        "--verify",
+        choices=("checksums", "sizes"),
+        default="checksums",
+        help="check the checkpoint's files against its manifest by size and CRC-32 (default), or by size only",
+    )
     args = parser.parse_args(argv)
     fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
-        ckpt = Checkpoint(args.ckpt)
+        ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
+        if ckpt.unchecked:
+            print(f"warning: {ckpt.unchecked}", file=sys.stderr, flush=True)
         if fmt == "torch":
             written = export_torch(ckpt, args.out, dtype)
         else:

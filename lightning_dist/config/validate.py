@@ -177,6 +177,8 @@ def _check_run_fields(cfg: TrainConfig) -> None:
             "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
             "use parallelism=fsdp, or checkpoint.async_save=false."
         )
+    if every.verify not in ("checksums", "sizes"):
+        raise ValueError(f"checkpoint.verify={every.verify!r} is unknown; use checksums (the default) or sizes.")
     if every.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
     timing = cfg.telemetry.comm_timing_every_n_steps

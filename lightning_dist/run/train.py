@@ -203,9 +203,9 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
             if attempt == cfg.resilience.max_restarts or err.will_repeat:
                 raise
             # deferred: only a restart reads the checkpoint store (torch); a run that succeeds never imports it
-            from lightning_dist.checkpoint.store import latest_checkpoint
+            from lightning_dist.config.resume import newest_whole
 
-            latest = latest_checkpoint(out_dir / "checkpoints")
+            latest = newest_whole(out_dir / "checkpoints", cfg.checkpoint.verify == "checksums")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
             line = (
                 f"restart {attempt + 1}/{cfg.resilience.max_restarts}: {err}; from "

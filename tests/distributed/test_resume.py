@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,8 @@ from helpers import FAST, compose_config, losses, run_app
 
 from lightning_dist._compat import checkpoint_metadata_file
 from lightning_dist.callbacks.checkpoints import RunCheckpoints
-from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, latest_checkpoint
+from lightning_dist.checkpoint.folder import LATEST, MANIFEST, complete_checkpoints
+from lightning_dist.checkpoint.store import latest_checkpoint
 
 LAYOUT = ["parallelism=fsdp", "cluster.devices=2", "optim.decay_steps=10", "logger=csv"]
 SAVING = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=3", "checkpoint.keep_last=2"]
@@ -29,6 +31,10 @@ def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Pat
     assert (run_dir / "checkpoints" / LATEST).read_text().strip() == "step-00000007"
     assert first["checkpoint"] == str(run_dir / "checkpoints" / "step-00000007")
     assert not list((run_dir / "checkpoints").glob(".*partial"))
+    for checkpoint in complete_checkpoints(run_dir / "checkpoints"):  # hashed by each rank in the background
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        assert set(files) == {path.name for path in checkpoint.iterdir()} - {MANIFEST}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)  # both ranks' shards
 
     resumed = run_app([*FAST, *LAYOUT, *SAVING, "ckpt_path=last"], run_dir)  # Lightning's word for resume=auto
     assert resumed["output_dir"] == str(run_dir)  # continued in its own folder
@@ -130,7 +136,10 @@ def test_a_checkpoint_resumes_under_another_layout(
     np.testing.assert_allclose(losses(second), losses(uninterrupted)[5:], rtol=1e-5)
 
 
-def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    from lightning_dist.checkpoint.export import main as export_main
     from lightning_dist.config.validate import validate
 
     run_dir = tmp_path / "run"
@@ -145,6 +154,25 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: 
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(older)  # resume skips it and takes the newest whole one
     sharded = tmp_path / "sharded" / "checkpoints" / "step-00000004"
+    shard = sharded / "__1_0.distcp"  # rank 1's, hashed by rank 1
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10  # one flipped bit inside a weight: DCP itself would load it silently
+    shard.write_bytes(bytes(damaged))
+    capfd.readouterr()
+    intact = sharded.parent / "step-00000002"
+    cfg = validate(compose_config([*FAST, "parallelism=fsdp", f"resume={tmp_path / 'sharded'}"])).cfg
+    assert cfg.ckpt_path == str(intact)  # walked back to the newest intact one
+    assert (
+        f"skipped checkpoint {sharded}: __1_0.distcp does not match the CRC-32 written with it (its bytes changed); "
+        f"continuing from {intact}\n"
+    ) in capfd.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # the export of the run folder: its newest checkpoint is damaged
+        export_main([str(tmp_path / "sharded"), str(tmp_path / "out.pt")])
+    assert str(refused.value.code) == (
+        f"lightning-dist-export: checkpoint {sharded} cannot be loaded (__1_0.distcp does not match the CRC-32 "
+        f"written with it (its bytes changed)); the newest whole checkpoint there is {intact}."
+    )
+    assert not (tmp_path / "out.pt").exists()
     (sharded / ".metadata").unlink()  # DCP never finished this one
     with pytest.raises(ValueError, match=r"step-00000004 cannot be loaded \(missing .metadata\); the newest whole"):
         validate(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))
