@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.folder import LATEST, complete_checkpoints, merge_parts, parts_written, write_part
-from lightning_dist.checkpoint.store import remove
+from lightning_dist.checkpoint.store import RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
 from lightning_dist.strategies.guard import guard_of
@@ -56,13 +56,21 @@ class RunCheckpoints(pl.Callback):
         every_n_steps: Save every this many optimizer steps (``None``: not by steps).
         every_n_minutes: Save when this much wall time has passed since the last save (``None``: not by time).
         keep_last: Complete checkpoints to keep (the newest ones).
+        run_record: What defines the run (its seed, data, batch, LR schedule), noted in every checkpoint under
+            :data:`~lightning_dist.checkpoint.store.RUN_RECORD`: a run continuing from one is checked against it.
     """
 
     def __init__(
-        self, dirpath: Path, every_n_steps: int | None = None, every_n_minutes: float | None = None, keep_last: int = 2
+        self,
+        dirpath: Path,
+        every_n_steps: int | None = None,
+        every_n_minutes: float | None = None,
+        keep_last: int = 2,
+        run_record: dict[str, Any] | None = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
+        self.run_record = run_record
         self.last_path: Path | None = None
         self.blocked_s: list[float] = []  #: how long each save held the training loop
         self.written_s: list[float] = []  #: how long each save took until its files were complete (this rank's)
@@ -75,6 +83,10 @@ class RunCheckpoints(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.run_record is not None:
+            checkpoint[RUN_RECORD] = self.run_record
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._wandb_late is None:

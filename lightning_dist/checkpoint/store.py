@@ -69,6 +69,20 @@ def read_rest(path: Path, weights_only: bool | None) -> dict[str, Any]:
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
 
+#: The key of Lightning's checkpoint under which a run notes what defines it (its seed, data, batch, LR schedule).
+RUN_RECORD = "lightning_dist_run"
+
+
+def run_record_of(path: Path) -> dict[str, Any] | None:
+    """What the run that saved the checkpoint ``path`` noted under :data:`RUN_RECORD`; ``None`` if nothing."""
+    path = Path(path)
+    try:
+        rest = read_rest(path, False) if path.is_dir() else torch.load(path, "cpu", weights_only=False, mmap=True)
+    except Exception:  # unreadable: damage() said so already, or this is not ours to judge
+        return None
+    return rest.get(RUN_RECORD) if isinstance(rest, dict) else None
+
+
 def sharded_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What of Lightning's ``checkpoint`` DCP writes (taken out of it): ``state_dict`` and each ``optimizer_<i>``."""
     state = {"state_dict": checkpoint.pop("state_dict")}

@@ -283,6 +283,10 @@ class TrainConfig:
     """Start from this checkpoint (file or sharded folder) in a new run folder; 'last' = resume=auto."""
     resume: str | None = None
     """Continue a run in its own folder from its newest complete checkpoint: a run folder, or 'auto' (output_dir)."""
+    resume_allow_changes: bool = False
+    """Let a run that continues another (resume, ckpt_path=last, a checkpoint of output_dir) change what defines its
+    data stream and learning rate: seed, data.* (global_batch_size included), optim.*, the LR schedule's length.
+    Without it such a resume stops before launch with one line naming the changes."""
     init_from: str | None = None
     """Start a new run from these weights (a HuggingFace folder, or a checkpoint folder: weights only, a fresh
     optimizer); ignored when the run continues from a checkpoint (resume / ckpt_path / restarts). model=hf

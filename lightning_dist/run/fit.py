@@ -17,6 +17,7 @@ from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
 from lightning_dist.config.build import build_datamodule, build_module
 from lightning_dist.config.environment import is_global_zero
+from lightning_dist.config.resume import run_record
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
@@ -54,7 +55,9 @@ def fit(run: ValidRun | TrainConfig, callbacks: Sequence[pl.Callback] = ()) -> R
         logger = False  # Lightning's smoke test logs nothing; a W&B run would still be made by finish_wandb
     history = LossHistory()
     every = cfg.checkpoint
-    checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
+    checkpoint = RunCheckpoints(
+        out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last, run_record(cfg)
+    )
     preemption = Preemption()
     shown = ShowLayout()
     all_callbacks = [history, preemption, Heartbeat(cfg.resilience.hang_timeout_s), shown, *callbacks]

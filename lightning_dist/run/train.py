@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from lightning_dist.errors import PREEMPTED_EXIT_CODE
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
+from lightning_dist.run.lock import hold_run_folder
 from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
 
@@ -132,17 +134,19 @@ def run(cfg: TrainConfig) -> RunResult:
         if result.steps is not None:  # submitit's local executor ran it here
             _print_summary(result)
         return result
-    start = time.perf_counter()
-    if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
-        preflight(cfg, dims)
-        result = _fit(valid)
-        if result.preempted and cfg.cluster.slurm.requeue:
-            slurm.requeue()
-    else:
-        result = _launch_with_restarts(valid)
-    result.wall_time_s = time.perf_counter() - start
-    if is_global_zero():  # one writer per job
-        _write_report(valid, result)
+    # One job per run folder: held by the launcher (ours) or rank 0 (torchrun / srun), released however this ends.
+    with hold_run_folder(out_dir) if is_global_zero() else nullcontext():
+        start = time.perf_counter()
+        if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
+            preflight(cfg, dims)
+            result = _fit(valid)
+            if result.preempted and cfg.cluster.slurm.requeue:
+                slurm.requeue()
+        else:
+            result = _launch_with_restarts(valid)
+        result.wall_time_s = time.perf_counter() - start
+        if is_global_zero():  # one writer per job
+            _write_report(valid, result)
     _print_summary(result)
     return result
 
