@@ -98,6 +98,36 @@ def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
     return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S')}"
 
 
+def hydra_run_dir(root: str, output_dir: str | None = None, resume: str | None = None) -> str:
+    """Hydra's ``hydra.run.dir``: ``output_dir`` when given, the folder of the run ``resume`` names, else
+    :func:`run_dir` (a new folder under ``root``). Hydra writes its own files there (``.hydra/``, its log), so a run
+    leaves nothing in a folder of its own choosing, and a resumed run's errors are in the run it continues."""
+    if output_dir:
+        return str(output_dir)
+    if resume and resume != "auto":
+        return str(resume_folder(resume))
+    return run_dir(root)
+
+
+def hydra_subdir(folder: str) -> str | None:
+    """Hydra's ``hydra.output_subdir`` in the run folder ``folder``: ``.hydra`` for a run's first start, one folder
+    below it per later start (a resume keeps the config the run started with); none on ranks other than 0 (under
+    torchrun / srun every rank composes the config)."""
+    if not is_global_zero():
+        return None
+    if (Path(folder) / ".hydra" / "config.yaml").is_file():
+        return f".hydra/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    return ".hydra"
+
+
+def resume_folder(resume: str) -> Path:
+    """The run folder ``resume=<path>`` names: the path itself, or the run of the ``checkpoints`` folder or the
+    checkpoint it names."""
+    path = Path(resume).expanduser().resolve()
+    folder = path.parent.parent if path.parent.name == "checkpoints" else path
+    return folder.parent if folder.name == "checkpoints" else folder
+
+
 def process_start_time(pid: int) -> float:
     """When process ``pid`` started (epoch seconds), from ``/proc``; now where that cannot be read."""
     try:

@@ -14,7 +14,7 @@ from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_sh
 from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, run_record_of, unchecked_note
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_sources
 from lightning_dist.config.build import build_module
-from lightning_dist.config.environment import is_global_zero, launcher, restart_count
+from lightning_dist.config.environment import is_global_zero, launcher, restart_count, resume_folder
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
@@ -178,8 +178,7 @@ def resolve_resume(resume: str, output_dir: str | None, checksums: bool = True) 
         run_dir = Path(output_dir)
     else:
         path = Path(resume).expanduser().resolve()
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
-        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
+        run_dir = resume_folder(resume)
         if path.parent.name == "checkpoints" and path.exists():
             return run_dir, path
     skipped: list[tuple[Path, str]] = []

@@ -16,7 +16,8 @@ from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_dist.config.environment import run_dir
+from lightning_dist.config.environment import hydra_run_dir, hydra_subdir
+from lightning_dist.config.keys import unknown_key
 from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
@@ -299,13 +300,28 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The typed run config from Hydra's composed ``cfg``: ``model`` and ``data`` become the dataclass they describe.
 
     Raises:
-        ValueError: A field of the built-in model or data has the wrong type (one line naming it).
+        ValueError: A key the schema does not have (``+model.n_layer=4``), or a field of the built-in model or data
+            of the wrong type (one line naming it).
     """
+    composed = OmegaConf.to_container(cfg, resolve=False)
+    chosen = {group: _schema_of(composed.get(group) or {}, group) for group in ("model", "data")}
+    mistyped = unknown_key(composed, TrainConfig, choices=chosen)
+    if mistyped:
+        raise ValueError(mistyped)
     train_cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(cfg, {"model": None, "data": None}))
     train_cfg.model = _typed(cfg.model, "model", GPTConfig, HFModelConfig)
     train_cfg.data = _typed(cfg.data, "data", DataConfig, None)
     train_cfg.trainer = typed_trainer(OmegaConf.to_container(cfg.trainer, resolve=True))
     return train_cfg
+
+
+def _schema_of(node: Any, group: str) -> type | None:
+    """The dataclass the ``model`` / ``data`` node is built as; ``None`` for a class of the user's (``_target_``)."""
+    if "_target_" in node:
+        return None
+    if group == "model":
+        return HFModelConfig if node.get("kind") == "hf" else GPTConfig
+    return DataConfig
 
 
 def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
@@ -323,7 +339,9 @@ def _typed(node: DictConfig, group: str, builtin: type, hf: type | None) -> Any:
 def register_configs() -> None:
     """Register the schemas so ``conf/`` YAML files can extend them (``defaults: [<group>_schema]``)."""
     if not OmegaConf.has_resolver("ld_run_dir"):  # hydra.run.dir: one folder for every rank, node and restart
-        OmegaConf.register_new_resolver("ld_run_dir", run_dir, use_cache=True)
+        OmegaConf.register_new_resolver("ld_run_dir", hydra_run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("ld_hydra_subdir"):  # hydra.output_subdir: a resumed run's config beside the first
+        OmegaConf.register_new_resolver("ld_hydra_subdir", hydra_subdir, use_cache=False)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     # The built-in model and data options extend these (their YAML starts with `defaults: [<group>_schema]`), so

@@ -255,12 +255,14 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             _check_importable(group, node.target)
     if isinstance(model, GPTConfig):
         model.validate()
+    if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
+        cfg.optim.validate()
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
+    validate_data_config(data)  # the fields' own ranges first (global_batch_size=0 is not a divisibility problem)
     per_rank_batch = per_rank_batch_size(data.global_batch_size, dims.dp_size)
     if data.kind == "hf":
-        validate_data_config(data)
         _check_tokenizer(cfg, vocab)
     elif vocab is not None and data.vocab_size > vocab:
         raise ValueError(
@@ -272,7 +274,6 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={max_len}; "
             f"lower data.seq_len or raise model.max_seq_len."
         )
-    validate_data_config(data)
     data_seed(data, cfg.seed)
     if data.kind == "synthetic":
         return per_rank_batch  # made by each rank from the seed: validate_data_config has checked all it reads

@@ -74,6 +74,31 @@ def test_an_unwritable_run_folder_fails_before_any_rank_starts(tmp_path: Path) -
         run(compose_config([*FAST, "cluster.devices=1"], blocker / "run"))
 
 
+def test_a_read_only_checkpoints_folder_fails_before_any_rank_starts(tmp_path: Path) -> None:
+    """Found before launch, not at the first save (hours later). ``chattr +i`` makes a folder read-only even for root
+    (which these tests run as); where it is not available, a file in its place is as unwritable."""
+    import subprocess
+
+    from lightning_dist.run.train import run
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    immutable = subprocess.run(["chattr", "+i", str(checkpoints)], capture_output=True).returncode == 0
+    if not immutable:
+        checkpoints.rmdir()
+        checkpoints.write_text("")
+    reason = "Operation not permitted" if immutable else "Not a directory"
+    try:
+        with pytest.raises(
+            ValueError,
+            match=rf"^output_dir={tmp_path / 'run'}: its checkpoints folder {checkpoints} is not writable \({reason}\)",
+        ):
+            run(compose_config([*FAST, "cluster.devices=1", "trainer.enable_checkpointing=true"], tmp_path / "run"))
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(checkpoints)], check=True)
+
+
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
     """A crash inside the save (here: the writer raises after writing part of it) publishes nothing."""
     dirpath = tmp_path / "checkpoints"

@@ -88,3 +88,26 @@ def test_two_jobs_started_on_one_folder_the_second_is_refused(tmp_path: Path) ->
     _, stderr = first.communicate(timeout=180)
     assert first.returncode == 0, stderr[-2000:]
     assert (run_dir / LOCK).read_text() == ""  # released at its end
+
+
+def test_a_resumed_runs_error_is_logged_in_its_own_folder_and_nothing_strays(
+    finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Through the console script: Hydra's run folder is the run ``resume`` names (no ``outputs/<date>/<time>``
+    made in the working folder), and the rank's traceback goes to that run's ``error.log``."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_dist.run.train import main
+
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(tmp_path)
+    failing = "+callbacks.bad._target_=nowhere.Callback"  # built in the rank: it fails there, with a traceback
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", *RUN, f"resume={finished}", failing])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 1
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: rank 0: ") and line.endswith(f"(traceback: {finished / 'error.log'})"), line
+    assert "nowhere" in (finished / "error.log").read_text()
+    assert list(tmp_path.iterdir()) == []
+    assert (finished / ".hydra" / "config.yaml").is_file()  # Hydra's record of this start, in the run's folder
