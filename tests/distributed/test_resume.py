@@ -175,7 +175,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, e.g. a full disk
     with pytest.raises(ValueError, match=rf"checkpoint {newest} cannot be loaded \(not a complete torch.save archive"):
         validate(compose_config([*FAST, f"ckpt_path={newest}"], tmp_path / "new"))
-    cfg = compose_config([*FAST, f"resume={run_dir}"], tmp_path / "unused")
+    cfg = compose_config([*FAST, "trainer.max_steps=4", f"resume={run_dir}"], tmp_path / "unused")  # its own values
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(older)  # resume skips it and takes the newest whole one
     sharded = tmp_path / "sharded" / "checkpoints" / "step-00000004"
@@ -185,7 +185,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(
     shard.write_bytes(bytes(damaged))
     capfd.readouterr()
     intact = sharded.parent / "step-00000002"
-    cfg = validate(compose_config([*FAST, "parallelism=fsdp", f"resume={tmp_path / 'sharded'}"])).cfg
+    cfg = validate(
+        compose_config([*FAST, "parallelism=fsdp", "trainer.max_steps=4", f"resume={tmp_path / 'sharded'}"])
+    ).cfg
     assert cfg.ckpt_path == str(intact)  # walked back to the newest intact one
     assert (
         f"skipped checkpoint {sharded}: __1_0.distcp does not match the CRC-32 written with it (its bytes changed); "
