@@ -142,3 +142,52 @@ def test_the_manifest_covers_every_ranks_files(tmp_path: Path) -> None:
     files = json.loads((folder / MANIFEST).read_text())["files"]
     assert set(files) == {"__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "__2_0.distcp", ".metadata", META}
     assert not list(folder.glob(".manifest-*"))
+
+
+def test_an_async_save_is_hashed_off_the_step_and_published_once_every_rank_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint.async_save``: this rank hashes its files in a thread of the callback's once its write is done (never
+    in the training step), and rank 0 publishes only when every rank's part of the manifest is there."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from lightning_dist.callbacks import checkpoints
+    from lightning_dist.contract import VIEW_MEMBERS
+
+    hashed_in: list[str] = []
+
+    def recording(folder: Path, rank: int) -> None:
+        hashed_in.append(threading.current_thread().name)
+        write_part(folder, rank)
+
+    monkeypatch.setattr(checkpoints, "write_part", recording)
+    write = Future()  # DCP's background write, done when the test says so
+
+    def save_checkpoint(path: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            store.save({"state_dict": {"w": torch.ones(64, 64)}}, {}, path, global_rank=0)
+        strategy.pending_save = write
+
+    strategy = SimpleNamespace(**dict.fromkeys(VIEW_MEMBERS), barrier=lambda: None, broadcast=lambda value: value)
+    trainer = SimpleNamespace(global_step=2, global_rank=0, world_size=2, is_global_zero=True, strategy=strategy,
+                              save_checkpoint=save_checkpoint)  # fmt: skip
+    saver = RunCheckpoints(tmp_path, every_n_steps=100)
+    partial = saver.save(trainer).with_name(".step-00000002.partial")
+    assert hashed_in == [] and saver.last_path is None  # the step went on; nothing hashed before the write is done
+    write.set_result(None)
+    deadline = time.monotonic() + 30
+    while not (partial / ".manifest-0.json").is_file():  # this rank's part, written in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert hashed_in == ["checkpoint-manifest_0"]
+    trainer.global_step = 3
+    saver.on_train_batch_end(trainer, None)
+    assert partial.is_dir() and saver.last_path is None  # rank 1 has not hashed its files yet: not published
+    write_part(partial, 1)  # rank 1's part (its own process, in a real run)
+    trainer.global_step = 4
+    saver.on_train_batch_end(trainer, None)
+    assert saver.last_path == tmp_path / "step-00000002" and store.damage(saver.last_path) is None
+    assert (saver.last_path / MANIFEST).is_file() and not list(saver.last_path.glob(".manifest-*"))
