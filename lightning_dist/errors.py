@@ -44,3 +44,12 @@ def restart_would_repeat(exc_type: type[BaseException]) -> bool:
     if issubclass(exc_type, LightningDistError):
         return exc_type.restart_would_repeat
     return issubclass(exc_type, REPEATING)
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of ``err``'s message (``strerror`` for an ``OSError`` that has one), or its class's
+    name when it has no message: what an error line may quote of an exception it did not make."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__

@@ -36,7 +36,25 @@ def train(*overrides: str, cwd: Path, timeout: int = 300, **extra_env: str) -> s
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["trainer.max_stepz=5"], r"Could not override 'trainer.max_stepz'"),
+        (["trainer.max_stepz=5"], r"^error: trainer.max_stepz is not an argument of lightning.Trainer; did you mean"),
+        # A typo never passes: Hydra's hint (add a +) would run with the key ignored; a config group lists its options.
+        (
+            ["model.n_layer=4"],
+            r"^error: model.n_layer is not a field of model \(GPTConfig\); did you mean model.n_layers",
+        ),
+        (
+            ["+model.n_layer=4"],
+            r"^error: model.n_layer is not a field of model \(GPTConfig\); did you mean model.n_lay",
+        ),
+        (["+optim.lrr=1"], r"^error: optim.lrr is not a field of optim \(OptimConfig\); did you mean optim.lr\?"),
+        (
+            ["parallelism=fsdp2"],
+            r"^error: parallelism=fsdp2 is not an option of parallelism: use one of 3d, ddp, diloco, fsdp, pp, tp, "
+            r"tp_fsdp; did you mean parallelism=fsdp\?$",
+        ),
+        (["recipe=tiny_dp_cpu"], r"^error: recipe=tiny_dp_cpu is not an option of recipe: .*did you mean recipe=tiny_"),
+        (["data.global_batch_size=0"], r"^error: data.global_batch_size=0 must be >= 1"),
+        (["optim.lr=-1"], r"^error: optim.lr=-1.0 must be >= 0 \(the peak learning rate\)\.$"),
         (["trainer.max_steps=abc"], r"Value 'abc' of type 'str' could not be converted to Integer"),
         (["cluster=gpu"], r"^error: cluster.accelerator=gpu but no CUDA device is visible; use cluster=local_cpu"),
         (["cluster.devices=64"], r"^error: cluster.devices=64 CPU processes is too many for \d+ cores"),
@@ -70,9 +88,55 @@ def test_bad_input_is_one_clear_line(
         main()
     assert exited.value.code not in (0, None)
     stderr = capfd.readouterr().err
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and "_schema" not in stderr
     assert re.search(message, stderr, re.MULTILINE), stderr[-2000:]
     assert not list(tmp_path.glob("*/checkpoints")), "nothing ran"
+
+
+def _main_fails(argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> str:
+    """What ``lightning-dist-train <argv>`` run in ``cwd`` writes to stderr, having exited with 1."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_dist.run.train import main
+
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", *argv])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 1
+    return capfd.readouterr().err
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Hydra makes the folder and writes its files there first: its failure is said in our one line too."""
+    blocker = tmp_path / "a-file"  # tests run as root, which permissions do not stop: a file in the path does
+    blocker.write_text("")
+    stderr = _main_fails([f"output_dir={blocker / 'run'}", "cluster.devices=1"], tmp_path, monkeypatch, capfd)
+    assert (
+        stderr == f"error: {blocker / 'run'}: Not a directory; give a run folder that can be written (output_dir=...)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no stray outputs/<date>/<time>
+
+
+def test_a_rank_error_is_one_line_even_where_its_traceback_cannot_be_saved(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """A full disk or a read-only run folder: the traceback goes to the temporary folder, the line to the terminal."""
+    from lightning_dist.run.launch import RankFailedError
+    from lightning_dist.run.train import _report_failure
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    error = RankFailedError(1, "OSError: [Errno 28] No space left on device", "Traceback (most recent call last): ...")
+    _report_failure(error, blocker / "run")
+    line = capfd.readouterr().err
+    saved = Path(re.search(r"\(traceback: (/.*\.log)\)\n$", line).group(1))
+    assert line.startswith("error: rank 1: OSError: [Errno 28] No space left on device  (traceback: ")
+    assert saved.read_text() == error.details and line.count("\n") == 1
+    saved.unlink()
 
 
 def test_default_job_trains_and_writes_wandb_offline(tmp_path: Path) -> None:

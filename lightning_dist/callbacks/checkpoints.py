@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ from lightning.pytorch.loggers import WandbLogger
 
 from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
-from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, remove
+from lightning_dist.checkpoint.folder import LATEST, complete_checkpoints, merge_parts, parts_written, write_part
+from lightning_dist.checkpoint.store import RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
 from lightning_dist.strategies.guard import guard_of
@@ -54,13 +56,21 @@ class RunCheckpoints(pl.Callback):
         every_n_steps: Save every this many optimizer steps (``None``: not by steps).
         every_n_minutes: Save when this much wall time has passed since the last save (``None``: not by time).
         keep_last: Complete checkpoints to keep (the newest ones).
+        run_record: What defines the run (its seed, data, batch, LR schedule), noted in every checkpoint under
+            :data:`~lightning_dist.checkpoint.store.RUN_RECORD`: a run continuing from one is checked against it.
     """
 
     def __init__(
-        self, dirpath: Path, every_n_steps: int | None = None, every_n_minutes: float | None = None, keep_last: int = 2
+        self,
+        dirpath: Path,
+        every_n_steps: int | None = None,
+        every_n_minutes: float | None = None,
+        keep_last: int = 2,
+        run_record: dict[str, Any] | None = None,
     ) -> None:
         self.dirpath = Path(dirpath)
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
+        self.run_record = run_record
         self.last_path: Path | None = None
         self.blocked_s: list[float] = []  #: how long each save held the training loop
         self.written_s: list[float] = []  #: how long each save took until its files were complete (this rank's)
@@ -69,9 +79,14 @@ class RunCheckpoints(pl.Callback):
         self._pending: tuple[Any, Path, Path] | None = None  # (future, partial folder, final folder)
         self._pending_wandb: dict[str, Any] | None = None  # the W&B step of the save in flight
         self._wandb_late: str | None = None  # the checkpoint whose W&B step is renewed at the next batch start
+        self._hasher: ThreadPoolExecutor | None = None  # hashes an async save's files once they are written
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.run_record is not None:
+            checkpoint[RUN_RECORD] = self.run_record
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._wandb_late is None:
@@ -89,7 +104,7 @@ class RunCheckpoints(pl.Callback):
         step = trainer.global_step
         if step == self._last_step:
             return  # a gradient-accumulation micro batch: no optimizer step yet
-        if self._pending is not None and trainer.is_global_zero and self._pending[0].done():
+        if self._pending is not None and trainer.is_global_zero and self._async_save_written(trainer):
             self._publish(trainer)
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
             self.save(trainer)
@@ -124,16 +139,21 @@ class RunCheckpoints(pl.Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             remove(partial)
         trainer.strategy.barrier()
+        rank = getattr(trainer, "global_rank", 0)
         with beat_file.busy(step):  # a save may take minutes: the launcher must not take it for a hang
             trainer.save_checkpoint(partial, weights_only=False)  # the whole state (Lightning logs it when unsaid)
-        view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
-        future = view.pending_save if view is not None else None
+            view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
+            future = view.pending_save if view is not None else None
+            if future is None:
+                _manifest_part(None, partial, rank)  # this rank's files' sizes and CRC-32s, while in the page cache
         if future is not None:
             view.pending_save = None
             future.add_done_callback(lambda _: self.written_s.append(time.monotonic() - started))
-            self._pending, self._pending_wandb = (future, partial, final), wandb_step
+            # Hashed in a thread of ours once written, never in a step (zlib.crc32 releases the GIL as it reads).
+            hashed = self._manifest_writer().submit(_manifest_part, future, partial, rank)
+            self._pending, self._pending_wandb = (hashed, partial, final), wandb_step
         else:
-            trainer.strategy.barrier()  # every rank's files are written
+            trainer.strategy.barrier()  # every rank's files are written, and its part of the manifest
             self.written_s.append(time.monotonic() - started)
             if trainer.is_global_zero:
                 self._publish_folder(partial, final, wandb_step)
@@ -155,6 +175,20 @@ class RunCheckpoints(pl.Callback):
         self.last_path, self._pending = self._pending[2], None
         trainer.strategy.barrier()
 
+    def _async_save_written(self, trainer: pl.Trainer) -> bool:
+        """Rank 0: whether the save in flight is written and hashed on every rank (each rank's manifest part there)."""
+        future, partial, _ = self._pending
+        if not future.done():
+            return False
+        if future.exception() is not None:
+            return True  # publishing raises it
+        return not partial.is_dir() or parts_written(partial, getattr(trainer, "world_size", 1))
+
+    def _manifest_writer(self) -> ThreadPoolExecutor:
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-manifest")
+        return self._hasher
+
     def _publish(self, trainer: pl.Trainer) -> None:
         future, partial, final = self._pending
         future.result()
@@ -163,6 +197,8 @@ class RunCheckpoints(pl.Callback):
 
     def _publish_folder(self, partial: Path, final: Path, wandb_step: dict[str, Any] | None = None) -> None:
         if partial.exists():  # not yet published
+            if partial.is_dir():
+                merge_parts(partial)  # the manifest: every rank's files with their sizes and CRC-32s
             if wandb_step is not None:  # before the rename, so a published checkpoint always has its W&B step
                 _note_wandb_step(self.dirpath, final.name, wandb_step)
             remove(final)
@@ -181,6 +217,15 @@ class RunCheckpoints(pl.Callback):
             for old in complete_checkpoints(self.dirpath)[: -self.keep_last]:
                 remove(old)
         self.last_path = final
+
+
+def _manifest_part(written: Future | None, partial: Path, rank: int) -> None:
+    """Once ``written`` (this rank's asynchronous write) is done, this rank's part of the checkpoint's manifest; a
+    single file (Lightning's own ``.ckpt``) needs none: its zip archive keeps a CRC-32 per member."""
+    if written is not None:
+        written.result()  # raises what the write raised
+    if partial.is_dir():
+        write_part(partial, rank)
 
 
 WANDB_STEPS = "wandb.json"  #: in a run's checkpoint folder: checkpoint name -> {"run_id", "step"}
@@ -239,6 +284,10 @@ class _Done:
 
     @staticmethod
     def result() -> None:
+        return None
+
+    @staticmethod
+    def exception() -> None:
         return None
 
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +30,10 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from lightning_dist import _compat
-from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
+from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
+from lightning_dist.errors import first_line
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
 
@@ -48,22 +53,25 @@ class Checkpoint:
 
     Args:
         path: A sharded checkpoint folder, a single checkpoint file, or a run folder (its newest checkpoint).
+        checksums: Check each file's CRC-32 against the checkpoint's manifest (else sizes only) before reading it.
 
     Raises:
-        ValueError: No checkpoint there, or a damaged one (one line naming the newest whole one).
+        ValueError: No checkpoint there, or a damaged one (one line naming the file and the newest whole one).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checksums: bool = True) -> None:
         path = Path(path)
         if (path / "checkpoints").is_dir():
-            found = latest_checkpoint(path / "checkpoints")
+            published = complete_checkpoints(path / "checkpoints")
+            found = pointed(path / "checkpoints") or (published[-1] if published else None)
             if found is None:
                 raise ValueError(f"{path} is a run folder without a complete checkpoint in {path / 'checkpoints'}.")
-            path = found
+            path = found  # the run's newest: refused below if damaged, naming the newest whole one to export instead
         if not path.exists():
             raise ValueError(f"{path} does not exist; give a checkpoint folder or file, or a run folder.")
-        check_loadable(path)
+        check_loadable(path, checksums)
         self.path = path
+        self.unchecked = unchecked_note(path)  #: a line for a checkpoint without a manifest (sizes checked only)
         self._file: dict[str, Any] | None = None
         if path.is_dir():
             meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -216,6 +224,52 @@ def _size(text: str) -> int:
     return int(text)
 
 
+@contextmanager
+def staged(out: Path, folder: bool, overwrite: bool = False) -> Iterator[Path]:
+    """Where to write an export that appears at ``out`` whole or not at all: a temporary file or folder beside it (on
+    the same filesystem, so the rename is atomic), renamed into place once the block is done, removed if it fails.
+
+    Checked before the block runs (before any checkpoint is read): ``out`` holds nothing (an empty folder is fine;
+    ``overwrite``: what it holds is replaced, only once the new export is whole), and its folder takes files.
+
+    Raises:
+        ValueError: ``out`` is in the way or cannot be written (one line).
+    """
+    out = Path(out)
+    kind = "folder" if folder else "file"
+    if out.exists() and out.is_dir() != folder:
+        raise ValueError(f"{out} is a {'folder' if out.is_dir() else 'file'}, not the {kind} this export writes.")
+    if out.exists() and not overwrite and (not folder or any(out.iterdir())):
+        what = "files (an earlier export?)" if folder else "a file"
+        raise ValueError(f"{out} already holds {what}; give a new {kind}, or pass --overwrite to replace it.")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if folder:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        else:
+            handle, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+            os.close(handle)
+            tmp = Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod((0o777 if folder else 0o666) & ~umask)  # mkdtemp / mkstemp make it private
+    except OSError as err:
+        reason = "Not a directory" if isinstance(err, FileExistsError) else err.strerror  # a file in the path
+        raise ValueError(f"{out} cannot be written ({reason}); give an OUT in a folder you can write.") from None
+    try:
+        yield tmp
+        if folder and out.exists():  # the old one goes only once the new one is whole
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-dist-export",
@@ -226,18 +280,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("torch", "hf"), help="default: torch for .pt/.pth, else hf")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as stored)")
     parser.add_argument("--max-shard-size", default="5GB", help="HuggingFace shard size, e.g. 5GB or 500MB")
+    parser.add_argument(
+        "--verify",
+        choices=("checksums", "sizes"),
+        default="checksums",
+        help="check the checkpoint's files against its manifest by size and CRC-32 (default), or by size only",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace what OUT holds (once the export is whole)")
     args = parser.parse_args(argv)
     fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
-        ckpt = Checkpoint(args.ckpt)
-        if fmt == "torch":
-            written = export_torch(ckpt, args.out, dtype)
-        else:
-            written = export_hf(ckpt, args.out, dtype, _size(args.max_shard_size))
+        with staged(args.out, folder=fmt == "hf", overwrite=args.overwrite) as tmp:
+            ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
+            if ckpt.unchecked:
+                print(f"warning: {ckpt.unchecked}", file=sys.stderr, flush=True)
+            if fmt == "torch":
+                export_torch(ckpt, tmp, dtype)
+            else:
+                export_hf(ckpt, tmp, dtype, _size(args.max_shard_size))
     except ValueError as err:
         sys.exit(f"lightning-dist-export: {err}")
-    print(f"exported {ckpt.path} -> {written} ({fmt})")
+    except Exception as err:  # a write that fails (a full disk, a quota): one line, and nothing left at OUT
+        sys.exit(f"lightning-dist-export: writing {args.out} failed ({first_line(err)}); nothing was left there.")
+    print(f"exported {ckpt.path} -> {args.out} ({fmt})")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_dist import _compat
+from lightning_dist.checkpoint.folder import MANIFEST, complete_checkpoints, has_manifest, manifest_problem, pointed
 
 _OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 _OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -67,6 +69,20 @@ def read_rest(path: Path, weights_only: bool | None) -> dict[str, Any]:
     return torch.load(path / _compat.checkpoint_metadata_file(), weights_only=weights_only)
 
 
+#: The key of Lightning's checkpoint under which a run notes what defines it (its seed, data, batch, LR schedule).
+RUN_RECORD = "lightning_dist_run"
+
+
+def run_record_of(path: Path) -> dict[str, Any] | None:
+    """What the run that saved the checkpoint ``path`` noted under :data:`RUN_RECORD`; ``None`` if nothing."""
+    path = Path(path)
+    try:
+        rest = read_rest(path, False) if path.is_dir() else torch.load(path, "cpu", weights_only=False, mmap=True)
+    except Exception:  # unreadable: damage() said so already, or this is not ours to judge
+        return None
+    return rest.get(RUN_RECORD) if isinstance(rest, dict) else None
+
+
 def sharded_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What of Lightning's ``checkpoint`` DCP writes (taken out of it): ``state_dict`` and each ``optimizer_<i>``."""
     state = {"state_dict": checkpoint.pop("state_dict")}
@@ -97,52 +113,118 @@ def save(state: dict[str, Any], rest: dict[str, Any], path: Path, global_rank: i
 
 
 # ------------------------------------------------------------------------------------------ during the run
-LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
+def latest_checkpoint(
+    dirpath: Path, checksums: bool = True, skipped: list[tuple[Path, str]] | None = None
+) -> Path | None:
+    """The checkpoint the ``latest`` file names, else the newest published one that is whole; ``None`` if none.
+
+    Args:
+        dirpath: A run's checkpoint folder.
+        checksums: Check every file's CRC-32 against the manifest too (reads the checkpoint once); else sizes only.
+        skipped: Gets ``(checkpoint, what is wrong with it)`` for each damaged one passed over, newest first.
+    """
+    named = pointed(dirpath)
+    candidates = [named] if named is not None else []
+    candidates += [path for path in reversed(complete_checkpoints(dirpath)) if path != named]
+    for path in candidates:  # newest first, stopping at the first whole one: older ones are not read
+        problem = damage(path, checksums)
+        if problem is None:
+            return path
+        if skipped is not None:
+            skipped.append((path, problem))
+    return None
 
 
-def complete_checkpoints(dirpath: Path) -> list[Path]:
-    """The published checkpoints in ``dirpath``, oldest first (``.partial`` ones are unfinished saves)."""
-    if not Path(dirpath).is_dir():
-        return []
-    return sorted(p for p in Path(dirpath).iterdir() if p.name.startswith("step-"))
+def damage(path: Path, checksums: bool = True) -> str | None:
+    """Why the checkpoint ``path`` cannot be loaded (a file missing, truncated or changed), or ``None`` if it is whole.
 
-
-def latest_checkpoint(dirpath: Path) -> Path | None:
-    """The checkpoint the ``latest`` file names, else the newest published one that is whole; ``None`` if none."""
-    pointer = Path(dirpath) / LATEST
-    if pointer.is_file():
-        named = Path(dirpath) / pointer.read_text().strip()
-        if named.exists() and damage(named) is None:
-            return named
-    whole = [path for path in complete_checkpoints(dirpath) if damage(path) is None]
-    return whole[-1] if whole else None
-
-
-def damage(path: Path) -> str | None:
-    """Why the checkpoint ``path`` cannot be loaded (missing parts, a truncated file), or ``None`` if it looks whole.
-
-    A sharded folder is whole once DCP wrote ``.metadata`` (its last step) and Lightning its own file; a single file
-    is a zip archive (``torch.save``) whose directory, at its end, is readable.
+    A sharded folder needs DCP's ``.metadata`` and Lightning's file, and each file its size and (``checksums``) CRC-32
+    of the manifest written when it was published (:mod:`~lightning_dist.checkpoint.folder`). A folder written before
+    manifests existed is checked by size only: each shard file at least as long as DCP's index says. A single file is
+    a zip archive (``torch.save``) whose directory, at its end, is readable and (``checksums``) whose members match
+    the CRC-32 the archive keeps for each. Repeated checks of an unchanged checkpoint are answered from memory.
     """
     path = Path(path)
+    try:
+        key = (str(path.resolve()), checksums, _signature(path))
+    except OSError:  # gone, or a file removed while listed (pruned): checked as it is now
+        return _damage(path, checksums)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _damage(path, checksums)
+    return _VERDICTS[key]
+
+
+_VERDICTS: dict[tuple, str | None] = {}  # (checkpoint, checksums, its files' names, sizes and times) -> damage()
+
+
+def _signature(path: Path) -> tuple:
+    """What a remembered verdict on ``path`` holds for: each file's name, size and modification time."""
+    if not path.is_dir():
+        stat = path.stat()
+        return (stat.st_size, stat.st_mtime_ns)
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+
+
+def _damage(path: Path, checksums: bool) -> str | None:
     if path.is_dir():
         missing = [name for name in (".metadata", _compat.checkpoint_metadata_file()) if not (path / name).is_file()]
-        return f"missing {', '.join(missing)}" if missing else None
+        if missing:
+            return f"missing {', '.join(missing)}"
+        return manifest_problem(path, checksums) if has_manifest(path) else _size_problem(path)
     if not path.is_file():
         return "no such file or folder"
-    return None if zipfile.is_zipfile(path) else "not a complete torch.save archive (truncated?)"
+    if not zipfile.is_zipfile(path):
+        return "not a complete torch.save archive (truncated?)"
+    if not checksums:
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every member against the CRC-32 its entry keeps
+    except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as err:
+        return f"its archive cannot be read ({err})"
+    return f"its member {bad} does not match the CRC-32 the archive keeps (its bytes changed)" if bad else None
 
 
-def check_loadable(path: Path) -> None:
+def _size_problem(path: Path) -> str | None:
+    """A folder without a manifest: DCP's index readable, and each shard file as long as the index says."""
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # an unpickling error of any kind: the file was cut short or changed
+        return ".metadata cannot be read (truncated?)"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None:
+            return f"{name} is missing"
+        if have < size:
+            return f"{name} has {have} bytes, fewer than the {size} its .metadata indexes (truncated?)"
+    if not zipfile.is_zipfile(path / _compat.checkpoint_metadata_file()):
+        return f"{_compat.checkpoint_metadata_file()} is not a complete torch.save archive (truncated?)"
+    return None
+
+
+def unchecked_note(path: Path) -> str | None:
+    """A line for a sharded checkpoint without a manifest (written before manifests existed): only sizes checked."""
+    if Path(path).is_dir() and not has_manifest(path):
+        return (
+            f"checkpoint {path} has no {MANIFEST} (written before checkpoints had one): only its files' sizes were "
+            "checked, not their contents"
+        )
+    return None
+
+
+def check_loadable(path: Path, checksums: bool = True) -> None:
     """Raise one line naming ``path``, what is wrong with it and the newest whole checkpoint beside it.
 
     Raises:
         ValueError: The checkpoint is damaged.
     """
-    problem = damage(path)
+    problem = damage(path, checksums)
     if problem is None:
         return
-    good = latest_checkpoint(Path(path).parent)
+    good = latest_checkpoint(Path(path).parent, checksums)
     fallback = f"the newest whole checkpoint there is {good}" if good else "there is no whole checkpoint beside it"
     raise ValueError(f"checkpoint {path} cannot be loaded ({problem}); {fallback}.")
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.checkpoint.folder import complete_checkpoints
+
 #: Set in every rank our own launcher starts (:mod:`lightning_dist.run.launch`): the launcher's pid.
 OURS_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 
@@ -88,7 +90,7 @@ def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
         run_id = env["TORCHELASTIC_RUN_ID"]
         if run_id and run_id != "none":
             return f"{root}/torchrun-{run_id}"
-        return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S', time.localtime(_start_time(os.getppid())))}"
+        return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S', time.localtime(process_start_time(os.getppid())))}"
     if kind == "slurm":
         if "SLURM_ARRAY_JOB_ID" in env:
             return f"{root}/slurm-{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '0')}"
@@ -96,7 +98,37 @@ def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
     return f"{root}/{time.strftime('%Y-%m-%d/%H-%M-%S')}"
 
 
-def _start_time(pid: int) -> float:
+def hydra_run_dir(root: str, output_dir: str | None = None, resume: str | None = None) -> str:
+    """Hydra's ``hydra.run.dir``: ``output_dir`` when given, the folder of the run ``resume`` names, else
+    :func:`run_dir` (a new folder under ``root``). Hydra writes its own files there (``.hydra/``, its log), so a run
+    leaves nothing in a folder of its own choosing, and a resumed run's errors are in the run it continues."""
+    if output_dir:
+        return str(output_dir)
+    if resume and resume != "auto":
+        return str(resume_folder(resume))
+    return run_dir(root)
+
+
+def hydra_subdir(folder: str) -> str | None:
+    """Hydra's ``hydra.output_subdir`` in the run folder ``folder``: ``.hydra`` for a run's first start, one folder
+    below it per later start (a resume keeps the config the run started with); none on ranks other than 0 (under
+    torchrun / srun every rank composes the config)."""
+    if not is_global_zero():
+        return None
+    if (Path(folder) / ".hydra" / "config.yaml").is_file():
+        return f".hydra/{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    return ".hydra"
+
+
+def resume_folder(resume: str) -> Path:
+    """The run folder ``resume=<path>`` names: the path itself, or the run of the ``checkpoints`` folder or the
+    checkpoint it names."""
+    path = Path(resume).expanduser().resolve()
+    folder = path.parent.parent if path.parent.name == "checkpoints" else path
+    return folder.parent if folder.name == "checkpoints" else folder
+
+
+def process_start_time(pid: int) -> float:
     """When process ``pid`` started (epoch seconds), from ``/proc``; now where that cannot be read."""
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -117,6 +149,29 @@ def env_int(value: str | None) -> int:
 
 
 # -------------------------------------------------------------------------------------------- before launch
+def check_new_run_folder(output_dir: str | None, ckpt_path: str | None = None) -> None:
+    """A run that does not continue another (no ``resume``, not a torchrun / SLURM restart) starts in a folder that
+    holds no run's checkpoints: it would overwrite them, and its ``metrics.csv`` rows would mix with theirs.
+
+    ``ckpt_path`` naming a checkpoint of that folder continues its run, as ``resume`` does.
+
+    Raises:
+        ValueError: One line naming the folder, its newest checkpoint and the fixes.
+    """
+    if output_dir is None:
+        return
+    checkpoints = Path(output_dir) / "checkpoints"
+    found = complete_checkpoints(checkpoints)
+    if not found or (ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve()):
+        return
+    new_folder = "another --rdzv-id, or output_dir=..." if launcher() == "torchrun" else "output_dir=..."
+    raise ValueError(
+        f"output_dir={output_dir} already holds a run's checkpoints (newest {found[-1].name}); continue it with "
+        f"resume={'auto' if launcher() in ('torchrun', 'slurm') else output_dir}, or start a new run in a new folder "
+        f"({new_folder})."
+    )
+
+
 def resolve_accelerator(accelerator: str) -> str:
     """``auto`` is ``gpu`` where CUDA devices are visible, else ``cpu``; other names are kept."""
     if accelerator == "auto":

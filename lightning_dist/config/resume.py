@@ -4,16 +4,19 @@ restart) or the weights it starts from (``init_from``), resolved and checked bef
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
-from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint
+from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, run_record_of, unchecked_note
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_sources
 from lightning_dist.config.build import build_module
-from lightning_dist.config.environment import is_global_zero, launcher, restart_count
-from lightning_dist.config.schema import HFModelConfig, TrainConfig
+from lightning_dist.config.environment import is_global_zero, launcher, restart_count, resume_folder
+from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
+from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import from_hf_names
 
@@ -27,19 +30,23 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
         ValueError: One line naming the value and the fix.
     """
     output_dir, ckpt_path, resume = cfg.output_dir, cfg.ckpt_path, cfg.resume
+    checksums = cfg.checkpoint.verify == "checksums"
     if ckpt_path == "last":
         resume, ckpt_path = "auto", None
     if resume is None and ckpt_path is None:
-        ckpt_path = _continue_after_external_restart(output_dir)
+        ckpt_path = _continue_after_external_restart(output_dir, checksums)
     if resume is not None:
         if ckpt_path is not None:
             raise ValueError(f"resume={resume} and ckpt_path={ckpt_path}: set only one of them.")
-        run_dir, found = resolve_resume(resume, output_dir)
+        run_dir, found = resolve_resume(resume, output_dir, checksums)
         output_dir, ckpt_path = str(run_dir), str(found)
     elif ckpt_path is not None and not Path(ckpt_path).exists():
         raise ValueError(f"ckpt_path={ckpt_path} does not exist; give a checkpoint file or folder.")
     if ckpt_path is not None:
-        check_loadable(Path(ckpt_path))
+        check_loadable(Path(ckpt_path), checksums)
+        unchecked = unchecked_note(Path(ckpt_path))
+        if unchecked:
+            _note(f"warning: {unchecked}")
         label = f"ckpt_path={ckpt_path}" if cfg.ckpt_path not in (None, "last") else f"checkpoint {ckpt_path}"
         _check_ckpt_fits(cfg, Path(ckpt_path), label)
     elif cfg.init_from is not None:
@@ -47,26 +54,71 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
     return output_dir, ckpt_path
 
 
-def _continue_after_external_restart(output_dir: str | None) -> str | None:
+def _continue_after_external_restart(output_dir: str | None, checksums: bool) -> str | None:
     """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint.
 
-    The first start of a torchrun / srun job whose folder (named by the rendezvous id or job id) already holds
-    checkpoints is refused: continuing or overwriting another run must be asked for.
+    (Its first start into a folder that holds checkpoints is refused, as on every launcher:
+    :func:`~lightning_dist.config.environment.check_new_run_folder`.)
     """
-    if launcher() not in ("torchrun", "slurm"):
-        return None
-    found = latest_checkpoint(Path(output_dir) / "checkpoints") if output_dir else None
     restarts = restart_count()
-    if found is not None and restarts == 0:
-        raise ValueError(
-            f"output_dir={output_dir} already holds a run's checkpoints (newest {found.name}); continue it with "
-            "resume=auto, or start a new run in a new folder (another --rdzv-id, or output_dir=...)."
-        )
+    if launcher() not in ("torchrun", "slurm") or restarts == 0:
+        return None
+    found = newest_whole(Path(output_dir) / "checkpoints", checksums) if output_dir else None
     if found is None:
         return None
     if is_global_zero():
         print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
     return str(found)
+
+
+# ------------------------------------------------------------------------------ what defines the run it continues
+#: Data fields that change how the batches are computed, not which samples they hold (a layout choice).
+_NOT_THE_STREAM = ("micro_batch_size", "num_workers", "num_proc", "cache_dir")
+_LABELS = {"lr_schedule_steps": "the LR schedule's length (optim.decay_steps, else trainer.max_steps)"}
+
+
+def run_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What defines a run's data stream and learning rate, noted in each of its checkpoints (a resolved config's):
+    the seed, the data's fields (its global batch included), and for the built-in modules the optimizer's fields and
+    the LR schedule's length. A run that continues one with other values is not the run it continues."""
+    record: dict[str, Any] = {"seed": cfg.seed}
+    if isinstance(cfg.data, DataConfig):
+        record.update({f"data.{k}": v for k, v in asdict(cfg.data).items() if k not in _NOT_THE_STREAM})
+    elif isinstance(cfg.data, TargetConfig):
+        record.update({"data._target_": cfg.data.target, **{f"data.{k}": v for k, v in cfg.data.kwargs.items()}})
+    if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # a user's module has an optimizer of its own
+        record.update({f"optim.{k}": v for k, v in asdict(cfg.optim).items() if k != "decay_steps"})
+        steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else f"{cfg.trainer.max_epochs} epochs"
+        record["lr_schedule_steps"] = cfg.optim.decay_steps or steps
+    return record
+
+
+def check_unchanged(cfg: TrainConfig, label: str) -> None:
+    """A run continuing the checkpoint ``cfg.ckpt_path`` (``label``: how it was asked for) keeps the seed, data,
+    global batch and LR schedule that checkpoint's run noted; with ``resume_allow_changes`` it goes on, saying so.
+
+    Raises:
+        ValueError: One line naming each change and the two ways on.
+    """
+    recorded = run_record_of(Path(cfg.ckpt_path))
+    if recorded is None:  # written before runs noted it, or by a user's own Trainer
+        return
+    now = run_record(cfg)
+    changes = [
+        f"{_LABELS.get(key, key)} {recorded.get(key, '-')} -> {now.get(key, '-')}"
+        for key in sorted(set(recorded) | set(now))
+        if recorded.get(key) != now.get(key)
+    ]
+    if not changes:
+        return
+    if cfg.resume_allow_changes:
+        _note(f"warning: resume_allow_changes=true: continuing {cfg.ckpt_path} with {', '.join(changes)}")
+        return
+    raise ValueError(
+        f"{label} continues a run with other values: {', '.join(changes)}; it would not continue that run (another "
+        "data stream or LR schedule). Resume with the run's own values, or set resume_allow_changes=true to go on "
+        "with these."
+    )
 
 
 def _check_init_from(cfg: TrainConfig) -> None:
@@ -81,7 +133,7 @@ def _check_init_from(cfg: TrainConfig) -> None:
                 "a lightning-dist checkpoint folder, or load the weights in your module's configure_model."
             )
     elif path.is_dir() and (path / ".metadata").exists():
-        check_loadable(path)
+        check_loadable(path, cfg.checkpoint.verify == "checksums")
     else:
         raise ValueError(
             f"init_from={path} is neither a HuggingFace folder (config.json + *.safetensors) nor a sharded checkpoint "
@@ -110,10 +162,12 @@ def _on_meta(cfg: TrainConfig) -> torch.nn.Module:
     return module
 
 
-def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:
-    """The run folder to continue and its newest complete checkpoint, for ``resume=auto`` or ``resume=<path>``.
+def resolve_resume(resume: str, output_dir: str | None, checksums: bool = True) -> tuple[Path, Path]:
+    """The run folder to continue and its newest whole checkpoint, for ``resume=auto`` or ``resume=<path>``.
 
     ``auto`` continues ``output_dir``; a path names a run folder, its ``checkpoints`` folder, or one checkpoint in it.
+    Damaged checkpoints (a file missing, truncated or, with ``checksums``, changed) are passed over, each with one line
+    naming the file and the checkpoint used instead.
 
     Raises:
         ValueError: There is no complete checkpoint to continue from (one line naming where it looked).
@@ -124,14 +178,34 @@ def resolve_resume(resume: str, output_dir: str | None) -> tuple[Path, Path]:
         run_dir = Path(output_dir)
     else:
         path = Path(resume).expanduser().resolve()
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
-        run_dir = run_dir.parent if run_dir.name == "checkpoints" else run_dir
+        run_dir = resume_folder(resume)
         if path.parent.name == "checkpoints" and path.exists():
             return run_dir, path
-    found = latest_checkpoint(run_dir / "checkpoints")
+    skipped: list[tuple[Path, str]] = []
+    found = newest_whole(run_dir / "checkpoints", checksums, skipped)
     if found is None:
+        damaged = f" ({'; '.join(f'{path.name}: {problem}' for path, problem in skipped)})" if skipped else ""
         raise ValueError(
-            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}; give the folder of the run to "
-            "continue (resume=outputs/<date>/<time>), or start a new run without resume."
+            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}{damaged}; give the folder of the "
+            "run to continue (resume=outputs/<date>/<time>), or start a new run without resume."
         )
     return run_dir, found
+
+
+def newest_whole(dirpath: Path, checksums: bool, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+    """:func:`~lightning_dist.checkpoint.store.latest_checkpoint`, printing one line for each damaged checkpoint it
+    passes over (rank 0): the file that is wrong and the checkpoint used instead."""
+    passed: list[tuple[Path, str]] = []
+    found = latest_checkpoint(dirpath, checksums, passed)
+    for path, problem in passed:
+        instead = f"continuing from {found}" if found is not None else "no whole checkpoint is left"
+        _note(f"skipped checkpoint {path}: {problem}; {instead}")
+    if skipped is not None:
+        skipped.extend(passed)
+    return found
+
+
+def _note(line: str) -> None:
+    """One line on stderr, from rank 0 only (under torchrun / srun every rank checks the config)."""
+    if is_global_zero():
+        print(line, file=sys.stderr, flush=True)

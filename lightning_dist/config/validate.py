@@ -18,17 +18,18 @@ import copy
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from hydra.utils import get_class
 
 from lightning_dist.config import environment
-from lightning_dist.config.loggers import check_loggers
 from lightning_dist.config.pretrained import resolve_pretrained
+from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
 from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
 from lightning_dist.config.tp_plan import load_tp_plan
-from lightning_dist.config.trainer_args import adopt_lightning_names, check_trainer
+from lightning_dist.config.trainer_args import adopt_lightning_names
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
@@ -70,8 +71,11 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     """
     cfg = copy.deepcopy(cfg)
     par, cluster, trainer = cfg.parallelism, cfg.cluster, cfg.trainer
-    _check_run_fields(cfg)
+    check_run_fields(cfg)
     resolve_pretrained(cfg)  # model.pretrained -> its local folder, which the run starts from (init_from)
+    asked = f"resume={cfg.resume}" if cfg.resume is not None else f"ckpt_path={cfg.ckpt_path}"
+    if cfg.resume is None and cfg.ckpt_path != "last" and environment.restart_count() == 0:
+        environment.check_new_run_folder(cfg.output_dir, cfg.ckpt_path)  # a new run never writes over another's
     if _continues_or_starts_from_weights(cfg):  # else it starts fresh in output_dir: no checkpoint to read
         # deferred: reading checkpoints and weights needs torch (test_layering: DEFERRED)
         from lightning_dist.config.resume import resolve_start
@@ -100,6 +104,11 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     trainer.accumulate_grad_batches, par.microbatches = split.accumulate_grad_batches, split.microbatches
     options = options_of(cfg)
     _check_layout(cfg, dims, options, per_rank_batch)
+    if _continues_its_own_run(cfg):  # once resolved (micro batches, the tokenizer), as the checkpoint noted them
+        # deferred: reading a checkpoint needs torch (test_layering: DEFERRED)
+        from lightning_dist.config.resume import check_unchanged
+
+        check_unchanged(cfg, asked)
     if trainer.enable_progress_bar is None:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         trainer.enable_progress_bar = sys.stdout.isatty()
@@ -111,6 +120,13 @@ def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
     named, or a torchrun / SLURM start that may be a restart of the job."""
     named = cfg.resume is not None or cfg.ckpt_path is not None or cfg.init_from is not None
     return named or environment.launcher() in ("torchrun", "slurm")
+
+
+def _continues_its_own_run(cfg: TrainConfig) -> bool:
+    """Whether the resolved run continues from a checkpoint of its own folder (resume, a restart, ckpt_path=last)."""
+    if cfg.ckpt_path is None or cfg.output_dir is None:
+        return False
+    return Path(cfg.ckpt_path).resolve().parent == (Path(cfg.output_dir) / "checkpoints").resolve()
 
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
@@ -157,43 +173,6 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
         message = str(err)
         group = "resilience." if message.startswith("on_nonfinite") else "parallelism."
         raise ValueError(group + message.replace("diloco_", "diloco.")) from None
-
-
-# ------------------------------------------------------------------------------------------------ the run itself
-def _check_run_fields(cfg: TrainConfig) -> None:
-    """The run's length, logging and checkpoint settings (``resilience.on_nonfinite`` is a ParallelOptions rule)."""
-    trainer, every, fault = cfg.trainer, cfg.checkpoint, cfg.resilience
-    for name, node in cfg.callbacks.items():  # built in each rank; the launcher does not import them (start-up)
-        target = node.get("_target_") if isinstance(node, dict) else None
-        if not isinstance(target, str) or "." not in target:
-            raise ValueError(
-                f"callbacks.{name} has no _target_ (its class's import path); give "
-                f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint and its arguments."
-            )
-    check_loggers(cfg.logger)
-    check_trainer(trainer)
-    cfg.debug.check(cfg.cluster.accelerator, trainer.max_steps)
-    if every.every_n_steps is not None and every.every_n_steps < 1:
-        raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")
-    if every.every_n_minutes is not None and every.every_n_minutes <= 0:
-        raise ValueError(f"checkpoint.every_n_minutes={every.every_n_minutes} must be > 0, or null (not by time).")
-    if fault.hang_timeout_s is not None and fault.hang_timeout_s <= 0:
-        raise ValueError(f"resilience.hang_timeout_s={fault.hang_timeout_s} must be > 0, or null (automatic).")
-    if fault.max_restarts < 0:
-        raise ValueError(f"resilience.max_restarts={fault.max_restarts} must be >= 0.")
-    if every.async_save and cfg.parallelism.strategy == "ddp":
-        raise ValueError(
-            "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "
-            "use parallelism=fsdp, or checkpoint.async_save=false."
-        )
-    if every.keep_last < 1:
-        raise ValueError(f"checkpoint.keep_last={every.keep_last} must be >= 1 (the newest checkpoint is always kept).")
-    timing = cfg.telemetry.comm_timing_every_n_steps
-    if timing is not None and timing < 1:
-        raise ValueError(
-            f"telemetry.comm_timing_every_n_steps={timing} must be >= 1, or null (every step on CUDA, "
-            "once per logging window on CPU)."
-        )
 
 
 # ------------------------------------------------------------------------------------------------ the layout
@@ -278,12 +257,14 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             _check_importable(group, node.target)
     if isinstance(model, GPTConfig):
         model.validate()
+    if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
+        cfg.optim.validate()
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
+    validate_data_config(data)  # the fields' own ranges first (global_batch_size=0 is not a divisibility problem)
     per_rank_batch = per_rank_batch_size(data.global_batch_size, dims.dp_size)
     if data.kind == "hf":
-        validate_data_config(data)
         _check_tokenizer(cfg, vocab)
     elif vocab is not None and data.vocab_size > vocab:
         raise ValueError(
@@ -295,7 +276,6 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={max_len}; "
             f"lower data.seq_len or raise model.max_seq_len."
         )
-    validate_data_config(data)
     data_seed(data, cfg.seed)
     if data.kind == "synthetic":
         return per_rank_batch  # made by each rank from the seed: validate_data_config has checked all it reads

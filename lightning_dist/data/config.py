@@ -138,6 +138,8 @@ def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
     """
     if num_replicas < 1:
         raise ValueError(f"data-parallel size {num_replicas} must be >= 1; check the strategy's parallel sizes")
+    if global_batch_size < 1:
+        raise ValueError(f"data.global_batch_size={global_batch_size} must be >= 1; pass a positive batch size")
     if global_batch_size < num_replicas or global_batch_size % num_replicas:
         raise ValueError(
             f"data.global_batch_size={global_batch_size} is not divisible by the data-parallel size "

@@ -16,12 +16,15 @@ and stops is exact. :mod:`lightning_dist.data.packed` packs the sequences into w
 
 from __future__ import annotations
 
+import codecs
 import functools
 import glob
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from lightning_dist.errors import first_line
 
 #: File suffix -> the datasets library's loader for it.
 SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -144,20 +147,55 @@ def load_records(files: list[Path], cfg: Any, work_dir: Path, where: str) -> Any
             f"data.format={cfg.format} reads records but {where} holds .txt files; use data.format=text, or give "
             ".jsonl / .json / .parquet records"
         )
+    empty = next((f for f in files if f.stat().st_size == 0), None)
+    if empty is not None:
+        raise ValueError(f"{where}: {empty} is empty; remove it from the corpus, or point {where} at files with text")
     kwargs = {"sample_by": cfg.sample_by} if loader == "text" else {}
     try:
         records = datasets.load_dataset(
             loader, data_files=[str(f) for f in files], split="train", cache_dir=str(work_dir), **kwargs
         )
-    except Exception as err:  # the datasets library wraps the parser's error; its first line names the cause
+    except Exception as err:  # the datasets library wraps the parser's error: find the file and line ourselves
         cause = err.__cause__ or err
+        found = next((problem for f in files if (problem := _unreadable(f, loader))), None)
         raise ValueError(
-            f"{where}: the {loader} files cannot be read ({type(cause).__name__}: {str(cause).splitlines()[0]}); "
-            "check the files"
+            f"{where}: {found}"
+            if found
+            else f"{where}: the {loader} files cannot be read "
+            f"({type(cause).__name__}: {first_line(cause)}); check the files"
         ) from None
     if loader != "text":
         _check_fields(records, files, cfg, work_dir)
     return records
+
+
+def _unreadable(file: Path, loader: str) -> str | None:
+    """What makes ``file`` unreadable, naming where: bytes that are not UTF-8, or (JSON) the first line, 1-based, that
+    is not valid JSON; ``None`` if neither (a parquet file, or a problem of another kind)."""
+    if loader == "parquet":
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with file.open("rb") as handle:
+        while chunk := handle.read(1 << 23):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:  # err.object: the bytes held back from the chunk before, then this one
+                byte, where = err.object[err.start], offset + err.start - (len(err.object) - len(chunk))
+                return f"{file} is not UTF-8 text (byte 0x{byte:02x} at offset {where}); convert it to UTF-8"
+            offset += len(chunk)
+    if loader != "json":
+        return None
+    text = file.read_text(encoding="utf-8")
+    lines = [text] if text.lstrip().startswith("[") else text.splitlines()  # one array, or JSON lines
+    for number, line in enumerate(lines, start=1):
+        try:
+            if line.strip():
+                json.loads(line)
+        except json.JSONDecodeError as err:
+            line_number = err.lineno if len(lines) == 1 else number
+            return f"{file}:{line_number}: not valid JSON ({err.msg}, column {err.colno}); fix or remove that line"
+    return None
 
 
 def _check_fields(records: Any, files: list[Path], cfg: Any, work_dir: Path) -> None:

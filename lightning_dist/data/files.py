@@ -146,6 +146,8 @@ class TokenDataset(Dataset):
             )
         self.dtype = np.dtype(dtype)
         size = self.file.stat().st_size
+        if size == 0:
+            raise ValueError(f"{str(self.file)!r} is empty; data.path={directory!r} must hold train.bin and val.bin")
         if size % self.dtype.itemsize:
             raise ValueError(f"{str(self.file)!r} has {size} bytes, not a multiple of {dtype}; check data.token_dtype")
         self.num_tokens = size // self.dtype.itemsize

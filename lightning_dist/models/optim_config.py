@@ -29,3 +29,23 @@ class OptimConfig:
     """Cosine decay floor as a fraction of lr, reached at decay_steps."""
     decay_steps: int | None = None
     """Length of the warmup + cosine schedule; None = trainer.max_steps (set it to stop a run early)."""
+
+    def validate(self) -> None:
+        """Each field in its range, named as the config field (``optim.lr``), before any process starts.
+
+        Raises:
+            ValueError: One line naming the field, its value and what it must be.
+        """
+        rules = {
+            "lr": (self.lr >= 0, ">= 0 (the peak learning rate)"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "beta1": (0 <= self.beta1 < 1, "in [0, 1)"),
+            "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
+            "eps": (self.eps >= 0, ">= 0"),
+            "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
+            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1] (a fraction of optim.lr)"),
+            "decay_steps": (self.decay_steps is None or self.decay_steps >= 1, ">= 1, or null (trainer.max_steps)"),
+        }
+        for name, (ok, needed) in rules.items():
+            if not ok:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be {needed}.")

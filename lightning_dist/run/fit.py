@@ -19,6 +19,7 @@ from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
 from lightning_dist.config.build import build_datamodule, build_module
 from lightning_dist.config.environment import is_global_zero
+from lightning_dist.config.resume import run_record
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
@@ -64,7 +65,9 @@ def fit(
     wandb_name = next((name for name, logger in loggers.items() if isinstance(logger, WandbLogger)), None)
     history = LossHistory()
     every = cfg.checkpoint
-    checkpoint = RunCheckpoints(out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last)
+    checkpoint = RunCheckpoints(
+        out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last, run_record(cfg)
+    )
     preemption = Preemption()
     shown = ShowLayout()
     all_callbacks = [history, preemption, Heartbeat(cfg.resilience.hang_timeout_s), shown, *callbacks]

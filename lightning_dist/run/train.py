@@ -14,7 +14,10 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
+import traceback
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,16 +29,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.environment import is_global_zero, should_submit
 from lightning_dist.config.help import help_text
+from lightning_dist.config.keys import group_options, hydra_error_line, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
-from lightning_dist.errors import PREEMPTED_EXIT_CODE
+from lightning_dist.errors import PREEMPTED_EXIT_CODE, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
+from lightning_dist.run.lock import hold_run_folder
 from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
 
@@ -45,7 +50,12 @@ register_configs()
 
 
 def main() -> None:
-    """Console-script entry point; errors are one line on stderr and a non-zero exit."""
+    """Console-script entry point; errors are one line on stderr and a non-zero exit.
+
+    Hydra's own errors (a mistyped key or option, a run folder it cannot write) are raised to here
+    (``HYDRA_FULL_ERROR=1`` while it runs) and said in one line of ours; ``HYDRA_FULL_ERROR=1`` set by the user
+    keeps Hydra's traceback.
+    """
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help(sys.argv[1:])
     for arg in sys.argv[1:]:  # before Hydra, whose message ("not in struct mode") would not say where they went
@@ -58,7 +68,27 @@ def main() -> None:
         moved = moved_logger_key(key) if key.startswith("logger.") else None
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
-    _hydra_main()
+    searched = any(arg.startswith(("hydra.searchpath", "-cd", "--config-dir")) for arg in sys.argv[1:])
+    for arg in [] if searched else sys.argv[1:]:  # Hydra skips a recipe (an optional group) that does not exist
+        group, _, value = arg.lstrip("+").partition("=")
+        options = group_options(CONF_DIR, group) if group == "recipe" and value and "," not in value else None
+        if options is not None and value not in options and value != "null":
+            print(f"error: {unknown_option_line(group, value, options)}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except Exception as err:
+        if full_error == "1":
+            raise
+        print(f"error: {launch_error(err)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
 
 
 def _help(args: list[str]) -> None:
@@ -91,7 +121,7 @@ def _hydra_main(cfg: DictConfig) -> RunResult | float:
             if sweep and is_wandb(node) and node.get("group") is None:
                 node["group"] = sweep_group(hydra_cfg.sweep.dir)
         result = run(train_cfg)
-    except (ValueError, FileNotFoundError, RankFailedError) as err:
+    except (ValueError, OSError, RankFailedError) as err:  # OSError: a folder that cannot be written, a full disk
         if not sweep:
             _fail(err, Path(output_dir))
         _report_failure(err, Path(output_dir))
@@ -150,6 +180,8 @@ def run(cfg: TrainConfig) -> RunResult:
     cfg, dims = valid.cfg, valid.dims
     out_dir = Path(cfg.output_dir)
     _check_writable(out_dir)
+    if (out_dir / "checkpoints").exists():  # found now, not at the first save after hours of training
+        _check_writable(out_dir / "checkpoints", "its checkpoints folder ")
     if is_global_zero():  # the launcher (or rank 0 under torchrun / srun): its lines go to <run>/train.log too
         log_to(out_dir)
     if should_submit(cfg.cluster):  # on the login node
@@ -157,17 +189,19 @@ def run(cfg: TrainConfig) -> RunResult:
         if result.steps is not None:  # submitit's local executor ran it here
             _print_summary(result)
         return result
-    start = time.perf_counter()
-    if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
-        preflight(cfg, dims)
-        result = _fit(valid)
-        if result.preempted and cfg.cluster.slurm.requeue:
-            slurm.requeue()
-    else:
-        result = _launch_with_restarts(valid)
-    result.wall_time_s = time.perf_counter() - start
-    if is_global_zero():  # one writer per job
-        _write_report(valid, result)
+    # One job per run folder: held by the launcher (ours) or rank 0 (torchrun / srun), released however this ends.
+    with hold_run_folder(out_dir) if is_global_zero() else nullcontext():
+        start = time.perf_counter()
+        if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
+            preflight(cfg, dims)
+            result = _fit(valid)
+            if result.preempted and cfg.cluster.slurm.requeue:
+                slurm.requeue()
+        else:
+            result = _launch_with_restarts(valid)
+        result.wall_time_s = time.perf_counter() - start
+        if is_global_zero():  # one writer per job
+            _write_report(valid, result)
     _print_summary(result)
     return result
 
@@ -228,9 +262,9 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
             if attempt == cfg.resilience.max_restarts or err.will_repeat:
                 raise
             # deferred: only a restart reads the checkpoint store (torch); a run that succeeds never imports it
-            from lightning_dist.checkpoint.store import latest_checkpoint
+            from lightning_dist.config.resume import newest_whole
 
-            latest = latest_checkpoint(out_dir / "checkpoints")
+            latest = newest_whole(out_dir / "checkpoints", cfg.checkpoint.verify == "checksums")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))
             line = (
                 f"restart {attempt + 1}/{cfg.resilience.max_restarts}: {err}; from "
@@ -242,18 +276,17 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
     raise AssertionError("unreachable")
 
 
-def _check_writable(out_dir: Path) -> None:
-    """The run folder must take files (logs, checkpoints) before any rank trains for hours and fails to save."""
+def _check_writable(folder: Path, what: str = "") -> None:
+    """The run folder (and ``what`` in it) must take files (logs, checkpoints) before any rank trains for hours and
+    fails to save."""
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise ValueError(
-            f"output_dir={out_dir} is not writable ({err.strerror}); choose another with output_dir=... "
-            "(or hydra.run.dir=...)."
-        ) from None
+        where = f"output_dir={folder.parent}: {what}{folder}" if what else f"output_dir={folder}"
+        raise ValueError(f"{where} is not writable ({err.strerror}); choose another with output_dir=...") from None
 
 
 def _print_summary(result: RunResult) -> None:
@@ -291,14 +324,42 @@ def _fail(err: Exception, out_dir: Path) -> None:
 
 
 def _report_failure(err: Exception, out_dir: Path) -> None:
-    """One line on stderr; the full traceback, when there is one, goes to ``<run dir>/error.log``."""
-    message = str(err)
+    """One line on stderr, whatever else fails; the full traceback, when there is one, goes to
+    ``<run dir>/error.log``, else (a full disk, a read-only folder) to a file in the temporary folder."""
+    message = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.strerror else str(err)
     details = getattr(err, "details", "")
     if details:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "error.log").write_text(details)
-        message += f"  (traceback: {out_dir / 'error.log'})"
+        message += f"  ({save_traceback(details, out_dir)})"
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def save_traceback(details: str, out_dir: Path | None) -> str:
+    """Write a traceback to ``<out_dir>/error.log``, or where it can be written; says where (never raises)."""
+    for folder in (out_dir, Path(tempfile.gettempdir())):
+        if folder is None:
+            continue
+        path = folder / "error.log" if folder == out_dir else folder / f"lightning-dist-error-{os.getpid()}.log"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(details)
+            return f"traceback: {path}"
+        except OSError:
+            continue
+    return "its traceback could not be written anywhere"
+
+
+def launch_error(err: Exception) -> str:
+    """One line for an error raised outside the job (while Hydra composes the config or prepares the run folder)."""
+    explained = hydra_error_line(err)  # a mistyped key or option, named with the closest
+    if explained is not None:
+        return explained
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):  # Hydra could not make the run folder, or write its files or its log there
+        where = f"{cause.filename}: " if cause.filename else ""
+        return f"{where}{first_line(cause)}; give a run folder that can be written (output_dir=...)"
+    return f"{type(err).__name__}: {first_line(err)}  ({save_traceback(traceback.format_exc(), None)})"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,7 +14,8 @@ from helpers import FAST, compose_config, losses, run_app
 
 from lightning_dist._compat import checkpoint_metadata_file
 from lightning_dist.callbacks.checkpoints import RunCheckpoints
-from lightning_dist.checkpoint.store import LATEST, complete_checkpoints, latest_checkpoint
+from lightning_dist.checkpoint.folder import LATEST, MANIFEST, complete_checkpoints
+from lightning_dist.checkpoint.store import latest_checkpoint
 
 LAYOUT = ["parallelism=fsdp", "cluster.devices=2", "optim.decay_steps=10", "logger=csv"]
 SAVING = ["trainer.enable_checkpointing=true", "checkpoint.every_n_steps=3", "checkpoint.keep_last=2"]
@@ -30,6 +32,10 @@ def test_checkpoints_during_the_run_then_resume_in_the_same_folder(tmp_path: Pat
     assert (run_dir / "checkpoints" / LATEST).read_text().strip() == "step-00000007"
     assert first["checkpoint"] == str(run_dir / "checkpoints" / "step-00000007")
     assert not list((run_dir / "checkpoints").glob(".*partial"))
+    for checkpoint in complete_checkpoints(run_dir / "checkpoints"):  # hashed by each rank in the background
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        assert set(files) == {path.name for path in checkpoint.iterdir()} - {MANIFEST}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)  # both ranks' shards
 
     resumed = run_app([*FAST, *LAYOUT, *SAVING, "ckpt_path=last"], run_dir)  # Lightning's word for resume=auto
     assert resumed["output_dir"] == str(run_dir)  # continued in its own folder
@@ -67,6 +73,31 @@ def test_an_unwritable_run_folder_fails_before_any_rank_starts(tmp_path: Path) -
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"output_dir=.*a-file/run is not writable \(Not a directory\)"):
         run(compose_config([*FAST, "cluster.devices=1"], blocker / "run"))
+
+
+def test_a_read_only_checkpoints_folder_fails_before_any_rank_starts(tmp_path: Path) -> None:
+    """Found before launch, not at the first save (hours later). ``chattr +i`` makes a folder read-only even for root
+    (which these tests run as); where it is not available, a file in its place is as unwritable."""
+    import subprocess
+
+    from lightning_dist.run.train import run
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    immutable = subprocess.run(["chattr", "+i", str(checkpoints)], capture_output=True).returncode == 0
+    if not immutable:
+        checkpoints.rmdir()
+        checkpoints.write_text("")
+    reason = "Operation not permitted" if immutable else "Not a directory"
+    try:
+        with pytest.raises(
+            ValueError,
+            match=rf"^output_dir={tmp_path / 'run'}: its checkpoints folder {checkpoints} is not writable \({reason}\)",
+        ):
+            run(compose_config([*FAST, "cluster.devices=1", "trainer.enable_checkpointing=true"], tmp_path / "run"))
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(checkpoints)], check=True)
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
@@ -132,7 +163,10 @@ def test_a_checkpoint_resumes_under_another_layout(
     np.testing.assert_allclose(losses(second), losses(uninterrupted)[5:], rtol=1e-5)
 
 
-def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    from lightning_dist.checkpoint.export import main as export_main
     from lightning_dist.config.validate import validate
 
     run_dir = tmp_path / "run"
@@ -143,10 +177,31 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_newest_whole_one(tmp_path: 
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, e.g. a full disk
     with pytest.raises(ValueError, match=rf"checkpoint {newest} cannot be loaded \(not a complete torch.save archive"):
         validate(compose_config([*FAST, f"ckpt_path={newest}"], tmp_path / "new"))
-    cfg = compose_config([*FAST, f"resume={run_dir}"], tmp_path / "unused")
+    cfg = compose_config([*FAST, "trainer.max_steps=4", f"resume={run_dir}"], tmp_path / "unused")  # its own values
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(older)  # resume skips it and takes the newest whole one
     sharded = tmp_path / "sharded" / "checkpoints" / "step-00000004"
+    shard = sharded / "__1_0.distcp"  # rank 1's, hashed by rank 1
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10  # one flipped bit inside a weight: DCP itself would load it silently
+    shard.write_bytes(bytes(damaged))
+    capfd.readouterr()
+    intact = sharded.parent / "step-00000002"
+    cfg = validate(
+        compose_config([*FAST, "parallelism=fsdp", "trainer.max_steps=4", f"resume={tmp_path / 'sharded'}"])
+    ).cfg
+    assert cfg.ckpt_path == str(intact)  # walked back to the newest intact one
+    assert (
+        f"skipped checkpoint {sharded}: __1_0.distcp does not match the CRC-32 written with it (its bytes changed); "
+        f"continuing from {intact}\n"
+    ) in capfd.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # the export of the run folder: its newest checkpoint is damaged
+        export_main([str(tmp_path / "sharded"), str(tmp_path / "out.pt")])
+    assert str(refused.value.code) == (
+        f"lightning-dist-export: checkpoint {sharded} cannot be loaded (__1_0.distcp does not match the CRC-32 "
+        f"written with it (its bytes changed)); the newest whole checkpoint there is {intact}."
+    )
+    assert not (tmp_path / "out.pt").exists()
     (sharded / ".metadata").unlink()  # DCP never finished this one
     with pytest.raises(ValueError, match=r"step-00000004 cannot be loaded \(missing .metadata\); the newest whole"):
         validate(compose_config([*FAST, "parallelism=fsdp", f"ckpt_path={sharded}"], tmp_path / "new2"))

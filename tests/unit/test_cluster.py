@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import FAST, compose_config
 
+from lightning_dist.checkpoint.folder import merge_parts
 from lightning_dist.config import environment as where
 from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.run import cluster, slurm
@@ -203,13 +204,14 @@ def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path,
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"")
     (step / checkpoint_metadata_file()).write_bytes(b"")
+    merge_parts(step)  # published, with the manifest of its (placeholder) files
     for name, value in {**SRUN, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(name, value)
     overrides = [*FAST, "cluster.devices=2", "cluster.num_nodes=2"]
     with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-00000004\); continue it"):
         validate(compose_config(overrides, tmp_path))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
-    # Which checkpoint a requeued job continues from: its files are placeholders, so their contents go unchecked.
+    # Which checkpoint a requeued job continues from: its files are placeholders, so their tensors go unchecked.
     monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
     cfg = compose_config(overrides, tmp_path)
     cfg = validate(cfg).cfg
@@ -252,11 +254,12 @@ def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(t
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"")
     (step / checkpoint_metadata_file()).write_bytes(b"")
+    merge_parts(step)  # published, with the manifest of its (placeholder) files
     env = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    # Which checkpoint a restarted job continues from: its files are placeholders, so their contents go unchecked.
+    # Which checkpoint a restarted job continues from: its files are placeholders, so their tensors go unchecked.
     monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
     cfg = compose_config([*FAST, "cluster.devices=2"], tmp_path)
     cfg = validate(cfg).cfg

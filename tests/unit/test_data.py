@@ -169,6 +169,9 @@ def test_token_errors(tmp_path: Path) -> None:
     np.zeros(5, dtype=np.uint16).tofile(tmp_path / "train.bin")
     with pytest.raises(ValueError, match=r"has 5 tokens, fewer than seq_len\+1=9"):
         TokenDataset(str(tmp_path), "train", 8)
+    (tmp_path / "train.bin").write_bytes(b"")  # an empty token shard: said as such
+    with pytest.raises(ValueError, match=rf"^'{tmp_path / 'train.bin'}' is empty; data.path=.* must hold train.bin"):
+        TokenDataset(str(tmp_path), "train", 8)
 
 
 def test_config_errors() -> None:

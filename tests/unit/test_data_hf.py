@@ -309,6 +309,32 @@ def test_errors_name_the_field_the_value_and_the_fix(tmp_path: Path, tok: Path) 
         hf_datasets(replace(_cfg(tmp_path / "c", tok, tmp_path / "cache"), tokenizer=str(tmp_path / "nowhere")))
 
 
+LATIN_1 = "caf\u00e9 au lait".encode("latin-1")
+BAD_FILES = {
+    "an empty .jsonl": ("c.jsonl", b"", "{file} is empty; remove it from the corpus, or point data.path at files"),
+    "an empty .txt": ("c.txt", b"", "{file} is empty"),
+    "an empty .parquet": ("c.parquet", b"", "{file} is empty"),
+    "a malformed line": ("c.jsonl", b'{"text": "a"}\n\n{"text": "b"\n', r"{file}:3: not valid JSON \(Expecting ','"),
+    "a malformed .json": ("c.json", b'[{"text": "a"},\n {"text" "b"}]', r"{file}:2: not valid JSON \(Expecting ':'"),
+    "latin-1 text": ("c.txt", LATIN_1, r"{file} is not UTF-8 text \(byte 0xe9 at offset 3\)"),
+}
+GOOD = {".jsonl": b'{"text": "fine"}\n', ".json": b'[{"text": "fine"}]', ".txt": b"fine", ".parquet": None}
+
+
+@pytest.mark.parametrize("case", BAD_FILES, ids=str)
+def test_a_bad_file_is_one_line_naming_it_and_where(case: str, tmp_path: Path, tok: Path) -> None:
+    """Among good files of its kind; 1-based line numbers, as an editor shows them (the datasets library's are
+    0-based rows, without the file)."""
+    name, content, message = BAD_FILES[case]
+    file = tmp_path / "corpus" / name
+    file.parent.mkdir()
+    file.write_bytes(content)
+    if GOOD[file.suffix] is not None:
+        (tmp_path / "corpus" / f"a{file.suffix}").write_bytes(GOOD[file.suffix])
+    with pytest.raises(ValueError, match="^data.path: " + message.format(file=file)):
+        hf_datasets(_cfg(tmp_path / "corpus", tok, tmp_path / "cache"))
+
+
 def _app(tmp_path: Path, *overrides: str) -> list[str]:
     folder = tmp_path / "corpus" if (tmp_path / "corpus").exists() else _docs(tmp_path / "corpus")
     return ["logger=none", "data=hf", f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}",

@@ -63,7 +63,7 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     ),
     "lightning_dist.run.launch": ("torch", "torch.distributed"),  # in a rank
     "lightning_dist.run.train": (
-        "lightning_dist.checkpoint.store",  # a restart
+        "lightning_dist.config.resume",  # a restart
         "lightning_dist.plan.estimate_run",  # in rank 0
         "lightning_dist.run.fit",  # in a rank
     ),
