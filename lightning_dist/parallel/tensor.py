@@ -51,7 +51,7 @@ class ReplicateShardedInput(ParallelStyle):
                 for x in inputs
             )
 
-        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=ReplicateParallel._unwrap_outputs)
+        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap_outputs)
 
 
 #: Style names a plan may use: ours, and the ones transformers' shipped plans use (``base_model_tp_plan``), each made
@@ -120,7 +120,7 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._wrap_inputs, output_fn=self._unwrap_outputs)
+        return distribute_module(module, device_mesh, input_fn=self._wrap_inputs, output_fn=unwrap_outputs)
 
     @staticmethod
     def _wrap_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
@@ -131,9 +131,11 @@ class ReplicateParallel(ParallelStyle):
             for x in inputs
         )
 
-    @staticmethod
-    def _unwrap_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def unwrap_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    """A module's DTensor output as this rank's plain tensor (the styles here hand plain tensors on)."""
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> dict[str, str]:

@@ -57,7 +57,9 @@ def _line(err: BaseException) -> str:
 
 def fit_losses(model_type: str, layout: dict[str, int] | None, callbacks: tuple = (), **module_kwargs: Any) -> Any:
     """The losses of ``STEPS`` steps of ``HFCausalLM(tiny config)`` on one process (``layout=None``) or on this
-    rank of 2 under ``MeshStrategy(**layout)``; an error's one line instead when it fails."""
+    rank of 2 under ``MeshStrategy(**layout)`` (collectives time out after 2 minutes)."""
+    from datetime import timedelta
+
     import lightning.pytorch as pl
     from helpers import quiet_trainer
     from hf_tiny import tiny_config
@@ -72,17 +74,22 @@ def fit_losses(model_type: str, layout: dict[str, int] | None, callbacks: tuple 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    try:
-        module = HFCausalLM(tiny_config(model_type), lr=1e-2, **module_kwargs)
-        per_rank = BATCH // (layout or {}).get("dp_shard", 1)
-        strategy, devices = ("auto", 1) if layout is None else (MeshStrategy(**layout), 2)
-        trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), *callbacks])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(module, DataLoader(TensorDataset(*_batches()), batch_size=per_rank))
-    except Exception as err:  # a verdict: the family under this layout fails, in one line
-        return _line(err)
+    module = HFCausalLM(tiny_config(model_type), lr=1e-2, **module_kwargs)
+    per_rank = BATCH // (layout or {}).get("dp_shard", 1)
+    strategy, devices = ("auto", 1) if layout is None else (MeshStrategy(**layout, timeout=timedelta(minutes=2)), 2)
+    trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), *callbacks])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(TensorDataset(*_batches()), batch_size=per_rank))
     return losses
+
+
+def _losses_or_line(model_type: str, layout: dict[str, int] | None, *args: Any, **kwargs: Any) -> Any:
+    """:func:`fit_losses`, or its error's one line (one process: nothing to hang)."""
+    try:
+        return fit_losses(model_type, layout, *args, **kwargs)
+    except Exception as err:  # a verdict: the family fails here, in one line
+        return _line(err)
 
 
 def check_init(model_type: str) -> str:
@@ -137,7 +144,7 @@ def check_pretrained(model_type: str) -> str:
             want = float(token_loss(reference(input_ids=inputs[:BATCH], use_cache=False).logits, targets[:BATCH]))
         with tempfile.TemporaryDirectory() as folder:
             reference.save_pretrained(folder)
-            got = fit_losses(model_type, None, (InitWeights(Path(folder)),), random_init=False, hf_source=folder)
+            got = _losses_or_line(model_type, None, (InitWeights(Path(folder)),), random_init=False, hf_source=folder)
     except Exception as err:
         return _line(err)
     if isinstance(got, str):
@@ -147,25 +154,38 @@ def check_pretrained(model_type: str) -> str:
     return "exact"
 
 
-def _one_process(families: list[str]) -> dict[str, dict[str, Any]]:
+def _one_process(model_type: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    found = {}
-    for model_type in families:
-        found[model_type] = {
-            "init": check_init(model_type),
-            "pretrained": check_pretrained(model_type),
-            "reference": fit_losses(model_type, None),
-        }
-    return found
+    return {"init": check_init(model_type), "pretrained": check_pretrained(model_type),
+            "reference": _losses_or_line(model_type, None)}  # fmt: skip
 
 
-def _two_ranks(families: list[str]) -> dict[str, dict[str, Any]]:
+def _layouts(model_type: str, names: list[str]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    return {mt: {name: fit_losses(mt, layout) for name, layout in LAYOUTS.items()} for mt in families}
+    return {name: fit_losses(model_type, LAYOUTS[name]) for name in names}
+
+
+def family_row(model_type: str) -> dict[str, Any]:
+    """One family's checks, each run in processes of its own: the two-rank layouts in one launch, and where one of
+    them fails (a rank's error ends the launch; a hang, its timeout), each layout again in a launch of its own."""
+    from lightning_dist.run.launch import RankFailedError, launch
+
+    one = launch(_one_process, 1, model_type)[0]
+    try:
+        found = launch(_layouts, 2, model_type, list(LAYOUTS))[0]
+    except RankFailedError:
+        found = {}
+        for name in LAYOUTS:
+            try:
+                found[name] = launch(_layouts, 2, model_type, [name])[0][name]
+            except RankFailedError as err:
+                found[name] = str(err).split(": ", 1)[-1][:200]  # "rank 1: <its one line>"
+    return {"init": one["init"], "pretrained": one["pretrained"],
+            **{name: verdict(found[name], one["reference"]) for name in LAYOUTS}}  # fmt: skip
 
 
 def verdict(losses: Any, reference: Any) -> str:
@@ -179,23 +199,17 @@ def verdict(losses: Any, reference: Any) -> str:
 
 
 def build_matrix(families: list[str]) -> dict[str, Any]:
-    """Run every check of every family (in one spawned process, then on two spawned ranks)."""
+    """Every check of every family (:func:`family_row`), printed as each family ends."""
     import torch
     import transformers
     from hf_tiny import tiny_config
 
     from lightning_dist.models.hf_init import causal_lm_class
-    from lightning_dist.run.launch import launch
 
-    one = launch(_one_process, 1, families)[0]
-    ranks = launch(_two_ranks, 2, families)[0]
     rows = {}
-    for mt in families:
-        row = {"class": causal_lm_class(tiny_config(mt)).__name__, "init": one[mt]["init"],
-               "pretrained": one[mt]["pretrained"]}  # fmt: skip
-        for name in LAYOUTS:
-            row[name] = verdict(ranks[mt][name], one[mt]["reference"])
-        rows[mt] = row
+    for model_type in families:
+        rows[model_type] = {"class": causal_lm_class(tiny_config(model_type)).__name__, **family_row(model_type)}
+        print(model_type, {k: v if v == "exact" else v[:70] for k, v in rows[model_type].items()}, flush=True)
     return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "families": rows}
 
 
@@ -239,9 +253,6 @@ def main() -> None:
             matrix = {**matrix, "families": whole["families"]}
         JSON_PATH.write_text(json.dumps(matrix, indent=1, sort_keys=True) + "\n")
         DOCS_PATH.write_text(markdown(matrix))
-    for mt, row in matrix["families"].items():
-        if mt in families:
-            print(mt, {k: v if v == "exact" else v[:60] for k, v in row.items()}, flush=True)
 
 
 if __name__ == "__main__":
