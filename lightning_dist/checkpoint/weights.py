@@ -37,6 +37,12 @@ def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[
         sources = {name: names[name[len(MODULE_ATTR) :]] for name in state}
     elif isinstance(module, HFCausalLM):
         sources = {name: name[len(MODULE_ATTR) :] for name in state}
+        for names in _tied_names(module).values():  # a tied head (whatever its name) reads the weight that is saved
+            saved = [name for name in names if name[len(MODULE_ATTR) :] in available]
+            for name in names:
+                if name in sources and sources[name] not in available and saved:
+                    sources[name] = saved[0][len(MODULE_ATTR) :]
+        return sources
     else:
         raise ValueError(
             f"init_from a HuggingFace folder needs the built-in GPT or model=hf, not {type(module).__name__}; start "
@@ -47,6 +53,14 @@ def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[
             embedding = [key for key in ("model.embed_tokens.weight", "transformer.wte.weight") if key in available]
             sources[name] = embedding[0] if embedding else source
     return sources
+
+
+def _tied_names(module: nn.Module) -> dict[int, list[str]]:
+    """The names of each parameter ``module`` holds under several names (a head tied to the embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {key: group for key, group in names.items() if len(group) > 1}
 
 
 def weight_sources(path: Path, module: nn.Module, state: dict[str, Any]) -> dict[str, str]:

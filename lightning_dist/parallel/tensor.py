@@ -132,7 +132,6 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-
 def unwrap_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     """A module's DTensor output as this rank's plain tensor (the styles here hand plain tensors on)."""
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs

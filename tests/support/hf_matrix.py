@@ -238,8 +238,13 @@ def markdown(matrix: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    import os
+
     from hf_tiny import decoder_families
 
+    from lightning_dist.models.hf_families import GENERATING
+
+    os.environ[GENERATING] = "1"  # every cell is run, none refused by the matrix being made (ranks inherit it)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="model types (default: every decoder-only family)")
     parser.add_argument("--write", action="store_true", help="write the JSON and the docs page")
