@@ -154,12 +154,13 @@ def check_pretrained(model_type: str) -> str:
     return "exact"
 
 
-def _one_process(model_type: str) -> dict[str, Any]:
+def _one_process(families: list[str]) -> dict[str, dict[str, Any]]:
+    """The one-process checks of every family, in one process (no process group: nothing to hang or pile up)."""
     import torch
 
     torch.set_num_threads(1)
-    return {"init": check_init(model_type), "pretrained": check_pretrained(model_type),
-            "reference": _losses_or_line(model_type, None)}  # fmt: skip
+    return {mt: {"init": check_init(mt), "pretrained": check_pretrained(mt), "reference": _losses_or_line(mt, None)}
+            for mt in families}  # fmt: skip
 
 
 def _layouts(model_type: str, names: list[str]) -> dict[str, Any]:
@@ -169,12 +170,12 @@ def _layouts(model_type: str, names: list[str]) -> dict[str, Any]:
     return {name: fit_losses(model_type, LAYOUTS[name]) for name in names}
 
 
-def family_row(model_type: str) -> dict[str, Any]:
-    """One family's checks, each run in processes of its own: the two-rank layouts in one launch, and where one of
-    them fails (a rank's error ends the launch; a hang, its timeout), each layout again in a launch of its own."""
+def family_row(model_type: str, one: dict[str, Any]) -> dict[str, Any]:
+    """One family's layouts against its one-process checks ``one``, in processes of their own: the two-rank layouts
+    in one launch, and where one fails (a rank's error ends the launch; a hang, its timeout), each layout again in a
+    launch of its own."""
     from lightning_dist.run.launch import RankFailedError, launch
 
-    one = launch(_one_process, 1, model_type)[0]
     try:
         found = launch(_layouts, 2, model_type, list(LAYOUTS))[0]
     except RankFailedError:
@@ -205,10 +206,13 @@ def build_matrix(families: list[str]) -> dict[str, Any]:
     from hf_tiny import tiny_config
 
     from lightning_dist.models.hf_init import causal_lm_class
+    from lightning_dist.run.launch import launch
 
+    single = launch(_one_process, 1, families)[0]
     rows = {}
     for model_type in families:
-        rows[model_type] = {"class": causal_lm_class(tiny_config(model_type)).__name__, **family_row(model_type)}
+        row = family_row(model_type, single[model_type])
+        rows[model_type] = {"class": causal_lm_class(tiny_config(model_type)).__name__, **row}
         print(model_type, {k: v if v == "exact" else v[:70] for k, v in rows[model_type].items()}, flush=True)
     return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "families": rows}
 
