@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from typing_extensions import override
 
 from lightning_dist import _compat
-from lightning_dist.contract import declared_blocks
+from lightning_dist.contract import configure_loss_chunks, declared_blocks
 from lightning_dist.parallel.clip import global_grad_norm
 from lightning_dist.parallel.compose import apply_block_options
 from lightning_dist.parallel.options import ParallelOptions
@@ -79,6 +79,7 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
         own = is_overridden("configure_gradient_clipping", trainer.lightning_module)
         if trainer.gradient_clip_val is not None and by_norm and not own:
             self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
+        configure_loss_chunks(trainer.lightning_module, self.options.loss_chunks)
         per_block = self.options.compile or self.options.activation_checkpointing != "none"
         if per_block and not self._blocks_done:  # once: a later validate / test reuses the compiled blocks
             apply_block_options(declared_blocks(trainer.lightning_module), self.options)

@@ -28,7 +28,13 @@ from typing_extensions import override
 from lightning_dist import _compat
 from lightning_dist.checkpoint import full
 from lightning_dist.checkpoint import store as checkpoint_io
-from lightning_dist.contract import declared_blocks, declared_cp_spec, declared_tp_plan, module_hook
+from lightning_dist.contract import (
+    configure_loss_chunks,
+    declared_blocks,
+    declared_cp_spec,
+    declared_tp_plan,
+    module_hook,
+)
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
@@ -223,6 +229,7 @@ class MeshStrategy(
     def parallelize_module(self, module: pl.LightningModule, materialize: bool = True) -> None:
         """Lay ``module`` out over the mesh; ``materialize=False`` leaves it on the meta device (a traced rank)."""
         dims, options = self.parallel_dims, self.options
+        configure_loss_chunks(module, options.loss_chunks)  # before pipeline_spec(): the last stage's output follows
         if any(isinstance(p, DTensor) for p in module.parameters()):
             self._layout = RankLayout.of(dims, self.global_rank, parallelized_by="configure_model")
             return  # parallelized by hand in configure_model
