@@ -105,9 +105,9 @@ class PipelineStages:
         spec = _pipeline_spec(module)
         if options.loss_chunks and spec.head is None:
             raise ValueError(
-                f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies the "
-                "head itself (its pipeline_spec() names no head for the loss to apply in pieces; the built-in GPT's "
-                "does); set loss_chunks=0."
+                f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies "
+                "the head itself (its pipeline_spec() names no head for the loss to apply in pieces; the built-in "
+                "GPT's does); set loss_chunks=0."
             )
         model = spec.model(module)
         num_stages = dims.pp * stages_per_rank

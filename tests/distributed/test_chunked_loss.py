@@ -72,8 +72,12 @@ CASES: dict[str, tuple[str, bool, int, Any]] = {
     "tp2": ("gpt", False, 1, lambda: TensorParallelStrategy(tp=2, loss_chunks=CHUNKS)),  # SP + loss parallelism
     "tp2-masked": ("gpt", True, 1, lambda: TensorParallelStrategy(tp=2, loss_chunks=CHUNKS)),
     "tp2-no-sp": ("gpt", False, 1, lambda: TensorParallelStrategy(tp=2, sequence_parallel=False, loss_chunks=CHUNKS)),
-    "pp2-masked": ("gpt", True, 1, lambda: PipelineParallelStrategy(pp=2, dp_shard=1, microbatches=2,
-                                                                    loss_chunks=CHUNKS)),  # fmt: skip
+    "pp2-masked": (
+        "gpt",
+        True,
+        1,
+        lambda: PipelineParallelStrategy(pp=2, dp_shard=1, microbatches=2, loss_chunks=CHUNKS),
+    ),
     "cp2": ("gpt", False, 1, lambda: MeshStrategy(cp=2, dp_shard=1, loss_chunks=CHUNKS)),
     "ddp2-masked": ("gpt", True, 2, lambda: DataParallelStrategy(options=_options(loss_chunks=CHUNKS))),
     "hf-fsdp2": ("hf", False, 2, lambda: MeshStrategy(dp_shard=2, loss_chunks=CHUNKS)),
