@@ -238,6 +238,13 @@ def mem_tracker() -> Any:
 
 
 # --------------------------------------------------------------------------------------------- nn.Module surgery
+def torch_dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` (private module): a context that sees every op's outputs (tensor peaks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.
 

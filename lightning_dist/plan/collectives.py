@@ -230,13 +230,18 @@ def step_collectives(
     # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
     partial_bytes = dt.reduce if micro > 1 else dt.compute
     if fsdp:
+        float8 = (
+            lay.options.float8 == "tensorwise"
+        )  # the blocks' linear weights gathered in float8 (parallel/float8.py)
         for index, tensors_ in enumerate(unit_tensors):
             # The last block and the root (embedding, norm, head) stay gathered from their forward to their backward
             # (parallel/data.py: apply_fsdp).
             gathers = 1 if pp > 1 else micro if index >= blocks - 1 else 2 * micro
             padded = sum(t.padded(shard) for t in tensors_)
+            in_float8 = sum(t.padded(shard) for t in tensors_ if t.rest > 1) if float8 and index < blocks else 0
             if shard > 1:
-                add(shard_axis, "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
+                size = (padded - in_float8) * dt.compute + in_float8
+                add(shard_axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
                 add(shard_axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
             if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
                 add("dp_replicate", "all_reduce", padded // shard * dt.reduce, 1, "FSDP2 gradients over replicas")
