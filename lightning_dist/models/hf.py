@@ -32,8 +32,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+from lightning_dist.models.hf_loss import hf_chunked_loss
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
-from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
+from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
@@ -300,30 +301,14 @@ class HFCausalLM(pl.LightningModule):
         """The loss of one batch. No KV cache: a recomputed layer (activation checkpointing) would append to it."""
         inputs, targets, *loss_kwargs = split_causal_batch(batch)
         kwargs = loss_kwargs[0] if loss_kwargs else {}
-        if self.loss_chunks:
-            return self._chunked_loss(inputs, targets, kwargs)
+        if self.loss_chunks:  # the head and loss in pieces of the tokens (models/hf_loss.py)
+            return hf_chunked_loss(self.model, inputs, targets, self.loss_chunks, **kwargs)
         logits = self.model(input_ids=inputs, use_cache=False).logits
         return causal_lm_loss(logits, targets, **kwargs)
 
     def set_loss_chunks(self, chunks: int) -> None:
-        """Compute the head and the loss in ``chunks`` pieces of the tokens, each recomputed in the backward, so the
-        ``(B, T, V)`` logits are never held whole (``0``: the plain loss). Not under pipeline parallelism yet."""
-        if chunks < 0:
-            raise ValueError(f"loss_chunks={chunks} must be >= 0 (0 = the whole logits at once).")
+        """The head and loss in ``chunks`` pieces of the tokens, recomputed in the backward (0: whole); not under pp."""
         self.loss_chunks = chunks
-
-    def _chunked_loss(self, inputs: Tensor, targets: Tensor, kwargs: dict[str, Any]) -> Tensor:
-        """The model's forward with the logits of the last position only (``logits_to_keep=1``); the final hidden
-        states (the decoder's ``last_hidden_state``, caught by a forward hook) go to the head piece by piece."""
-        caught: list[Tensor] = []
-        hook = self.model.base_model.register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
-        try:
-            self.model(input_ids=inputs, use_cache=False, logits_to_keep=1)
-        finally:
-            hook.remove()
-        head = self.model.get_output_embeddings()
-        return chunked_token_loss(caught[0], head, targets, self.loss_chunks, logits_fn=_logits_fn(self.model.config),
-                                  **kwargs)  # fmt: skip
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
@@ -385,24 +370,6 @@ class HFCausalLM(pl.LightningModule):
             f"nor like GPT-2 ({', '.join(_GPT2_PARTS)}); pipeline it with your own LightningModule and "
             "pipeline_spec() (see lightning_dist.PipelineSpec)."
         )
-
-
-def _logits_fn(config: Any) -> Any:
-    """What a transformers causal LM does to its head's output before the loss: Cohere's ``logit_scale``, Gemma 2's
-    ``final_logit_softcapping``; ``None`` for the rest (Llama, Qwen2, Mistral, GPT-2)."""
-    scale = getattr(config, "logit_scale", None)
-    cap = getattr(config, "final_logit_softcapping", None)
-    if scale is None and cap is None:
-        return None
-
-    def logits_fn(logits: Tensor) -> Tensor:
-        if scale is not None:
-            logits = logits * scale
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    return logits_fn
 
 
 def _has_path(model: nn.Module, path: str) -> bool:

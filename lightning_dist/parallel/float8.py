@@ -47,7 +47,7 @@ def float8_config(recipe: str, device_type: str, fsdp: bool) -> Any:
         fsdp: FSDP2 shards the parameters: tensorwise then all-gathers the converted weights in float8.
     """
     try:
-        from torchao.float8 import Float8LinearConfig
+        from torchao.float8 import Float8LinearConfig  # optional: lightning-dist[float8]
     except ImportError as err:
         raise ValueError(
             f"float8={recipe} needs torchao ({err}); pip install 'lightning-dist[float8]', or set float8=off."
@@ -76,7 +76,7 @@ def apply_float8(blocks: Sequence[nn.Module], recipe: str, device_type: str, fsd
             f"float8={recipe} converts the linear layers of the model's blocks: define pipeline_spec() on the module "
             "(its blocks_attr names them), or set float8=off."
         )
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import convert_to_float8_training  # optional: lightning-dist[float8]
 
     config = float8_config(recipe, device_type, fsdp)
     converted = 0
@@ -99,7 +99,7 @@ def float8_tp_styles(module: nn.Module, styles: dict[str, ParallelStyle], recipe
     otherwise."""
     if recipe != "tensorwise":
         return styles
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_linear import Float8Linear  # optional: lightning-dist[float8]
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     swapped = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
@@ -128,7 +128,7 @@ def check_float8_collectives(options: Any, tp_mesh: Any) -> None:
 def converted_names(module: nn.Module) -> list[str]:
     """Names of ``module``'s torchao ``Float8Linear`` layers."""
     try:
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear  # optional: lightning-dist[float8]
     except ImportError:
         return []
     return [name for name, m in module.named_modules() if isinstance(m, Float8Linear)]

@@ -67,14 +67,15 @@ class PeakBytes:
         class _Mode(mode_base):  # type: ignore[misc, valid-type]
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
-                for tensor in torch.utils._pytree.tree_leaves(out):
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):  # aten ops: a tensor or a flat tuple
                     if isinstance(tensor, torch.Tensor):
-                        tracker._add(tensor.untyped_storage())
+                        tracker.add(tensor.untyped_storage())
                 return out
 
         self._mode = _Mode()
 
-    def _add(self, storage: Any) -> None:
+    def add(self, storage: Any) -> None:
+        """Count ``storage`` as alive until it is freed (once, however many tensors view it)."""
         key = id(storage)
         if key in self._seen or storage.nbytes() == 0:
             return

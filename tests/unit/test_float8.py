@@ -67,3 +67,28 @@ def test_a_float8_curve_stays_within_the_stated_tolerance_of_fp32(recipe: str, f
     assert losses[-1] < 0.5 * losses[0]  # it trains
     assert losses != fp32_curve  # float8 changed the numbers
     np.testing.assert_allclose(losses, fp32_curve, rtol=FLOAT8_LOSS_RTOL)
+
+
+@pytest.mark.slow  # inductor compiles a float8 block's forward and backward: about a minute on this machine
+def test_a_compiled_float8_block_gives_the_eager_float8_numbers() -> None:
+    """float8 with compile (issue 37): each block one whole graph (``fullgraph=True``), the eager float8 loss and
+    gradients."""
+    from lightning_dist.models.loss import token_loss
+    from lightning_dist.parallel.compose import compile_blocks
+
+    tiny = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny)
+        apply_float8(list(model.layers.values()), "tensorwise", "cpu", fsdp=False)
+        if compiled:
+            compile_blocks(list(model.layers.values()))
+        loss = token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (eager, eager_grads), (compiled_loss, compiled_grads) = results
+    assert compiled_loss == pytest.approx(eager, rel=1e-6)
+    for a, b in zip(eager_grads, compiled_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
