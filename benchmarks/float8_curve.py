@@ -3,7 +3,7 @@ one process on the CPU (torchao's emulated float8, the numbers a float8 GPU comp
 
 ``python benchmarks/float8_curve.py [--steps 300] [--d-model 64]``: the largest relative difference of the loss,
 step by step and of a 20-step moving average, between fp32 and float8 tensorwise / rowwise (same seed, same
-batches). ``tests/unit/test_float8.py`` holds the curve within ``FLOAT8_LOSS_RTOL``
+batches). ``tests/unit/test_float8_conversion.py`` holds the curve within ``FLOAT8_LOSS_RTOL``
 (``lightning_dist/parallel/float8.py``), which comes from this measurement.
 """
 

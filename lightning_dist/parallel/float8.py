@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 #: How far a float8 run's loss may be from the high-precision run's at the same step (relative): measured 1.33%
@@ -123,6 +124,31 @@ def check_float8_collectives(options: Any, tp_mesh: Any) -> None:
             "float8=tensorwise with tp and sequence_parallel=true all-gathers float8 gradients, which gloo cannot "
             "carry; use nccl (CUDA), sequence_parallel=false, or float8=rowwise."
         )
+
+
+def high_precision_state(state: Any) -> Any:
+    """``state`` (nested dicts / lists of a checkpoint) with torchao's float8 weight wrappers replaced by the
+    high-precision tensors they hold (the same storage): tensorwise FSDP2 parameters, and the AdamW moments made like
+    them, are ``WeightWithDynamicFloat8CastTensor``s, which a checkpoint would pickle as such (unreadable without
+    torchao, refused by ``torch.load(weights_only=True)``). Loading writes into the wrappers in place."""
+    if isinstance(state, dict):
+        return {key: high_precision_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [high_precision_state(value) for value in state]
+    if not isinstance(state, torch.Tensor):
+        return state
+    local = state.to_local() if isinstance(state, DTensor) else state
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # optional: lightning-dist[float8]
+    except ImportError:
+        return state
+    if not isinstance(local, WeightWithDynamicFloat8CastTensor):
+        return state
+    names, _ = local.__tensor_flatten__()  # the wrapper subclass protocol: its one inner tensor
+    inner = getattr(local, names[0])
+    if not isinstance(state, DTensor):
+        return inner
+    return DTensor.from_local(inner, state.device_mesh, state.placements, shape=state.shape, stride=state.stride())
 
 
 def converted_names(module: nn.Module) -> list[str]:

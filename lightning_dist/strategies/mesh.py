@@ -38,6 +38,7 @@ from lightning_dist.contract import (
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
+from lightning_dist.parallel.float8 import high_precision_state
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import reduce_partial_grads
@@ -260,6 +261,8 @@ class MeshStrategy(
         path = Path(self.broadcast(filepath))
         # Lightning's sharded layout; under DiLoCo each replica's own keys and the outer state (see outer_sync.py)
         state = self.with_replica_state(checkpoint_io.sharded_state(checkpoint), checkpoint)
+        if self.options.float8 == "tensorwise":  # plain high-precision tensors, not torchao's float8 weight wrappers
+            state = high_precision_state(state)
         if not self.options.async_save:
             checkpoint_io.save(state, checkpoint, path, self.global_rank)
             return

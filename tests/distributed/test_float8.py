@@ -2,7 +2,7 @@
 giving the one-process float8 curve: FSDP2 (tensorwise: weights all-gathered in float8, the bytes the planner
 counts), TP with torchao's float8 styles, the pipeline, context parallelism and Lightning's DDP. Checkpoints keep the
 high-precision weights: a float8 run resumes exactly, and without float8. One spawned group of two ranks runs every
-layout case."""
+layout case; DiLoCo's replicas with float8 stay within the float8 tolerance of DiLoCo without."""
 
 from __future__ import annotations
 
@@ -78,6 +78,10 @@ def _two_ranks() -> dict[str, Any]:
     results = {name: _fit(make(), 2, dp) for name, (_, dp, make) in CASES.items()}
     # cp: each rank's activation scales see its half of the sequence; no one-process run computes those
     results["cp2-tensorwise"] = _fit(MeshStrategy(cp=2, dp_shard=1, float8="tensorwise"), 2)
+    # DiLoCo: two replicas apart for a step, then the outer step (tensorwise over a size-1 FSDP2 mesh per replica)
+    for recipe in ("off", "tensorwise"):
+        diloco = MeshStrategy(dp_replicate=2, dp_shard=1, sync="diloco", diloco_every=2, float8=recipe)
+        results[f"diloco2-{recipe}"] = _fit(diloco, 2, dp=2)
     try:
         _fit(TensorParallelStrategy(tp=2, float8="tensorwise"), 2)
     except ValueError as err:
@@ -110,12 +114,15 @@ def test_float8_layouts_give_the_one_process_float8_curve(case: str, two_ranks, 
         np.testing.assert_allclose(result["norms"], reference["norms"], rtol=1e-4)
 
 
-def test_float8_under_cp_stays_within_the_float8_tolerance(two_ranks, one_process) -> None:
+def test_float8_under_cp_and_diloco_stays_within_the_float8_tolerance(two_ranks, one_process) -> None:
     from lightning_dist.parallel.float8 import FLOAT8_LOSS_RTOL
 
     for rank in two_ranks:
         losses = rank["cp2-tensorwise"]["losses"]
         np.testing.assert_allclose(losses, one_process["off"]["losses"], rtol=FLOAT8_LOSS_RTOL)
+        diloco, plain = rank["diloco2-tensorwise"], rank["diloco2-off"]
+        assert "Float8Linear" in diloco["block_layers"] and diloco["losses"] != plain["losses"]
+        np.testing.assert_allclose(diloco["losses"], plain["losses"], rtol=FLOAT8_LOSS_RTOL)
         assert rank["refused"].startswith("float8=tensorwise with tp and sequence_parallel=true all-gathers float8")
 
 

@@ -15,7 +15,7 @@ from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.measure import PeakBytes, SavedBytes
 from lightning_dist.plan.memory import estimate_memory
 
-SEQ, BATCH, SMALL, LARGE = 256, 2, 2048, 4096
+SEQ, BATCH, SMALL, LARGE = 128, 2, 1024, 2048
 TOKENS = SEQ * BATCH
 
 
