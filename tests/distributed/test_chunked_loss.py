@@ -63,7 +63,15 @@ def _fit(strategy: Any, devices: int, model: str = "gpt", masked: bool = False, 
     norms = GradNorms()
     trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), norms])
     trainer.fit(module, _batches(masked, dp))
-    return {"losses": losses, "norms": norms.values, "chunks": module.loss_chunks}
+    result = {"losses": losses, "norms": norms.values, "chunks": module.loss_chunks}
+    pipeline = getattr(trainer.strategy, "pipeline", None)
+    if model == "gpt" and (devices == 1 or pipeline is not None):
+        # Calling the model outside the loss gives logits: under pp the last stage returns hidden states and the
+        # pipelined model applies the head (PipelineSpec.head).
+        probe = _batches(False, 1).dataset.tensors[0][:2]
+        with torch.no_grad():
+            result["logits"] = (pipeline.forward(probe) if pipeline is not None else module.model(probe)).numpy()
+    return result
 
 
 #: name -> (model, masked batches, data-parallel ranks, the strategy)
@@ -117,6 +125,8 @@ def test_chunked_loss_gives_the_plain_curve(case: str, two_ranks: list[dict[str,
         assert result["chunks"] == CHUNKS  # the strategy set the module's chunked loss
         np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-5)
         np.testing.assert_allclose(result["norms"], reference["norms"], rtol=1e-5)
+        if "logits" in result:  # the same weights after the same curve: the same outputs
+            np.testing.assert_allclose(result["logits"], reference["logits"], rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_loss_is_refused_where_it_cannot_run() -> None:
