@@ -38,9 +38,19 @@ def test_a_layer_float8_cannot_multiply_stays_as_it_is() -> None:
     assert sorted(converted_names(model)) == [f"layers.0.attn.{p}_proj" for p in "koqv"]  # 40-wide MLP: not / 16
 
 
-def test_float8_options_are_checked() -> None:
+def test_float8_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from helpers import FAST, compose_config
+
+    from lightning_dist.config.validate import validate
+
     with pytest.raises(ValueError, match=r"float8='fp8' is unknown; use off, tensorwise, rowwise"):
         ParallelOptions(float8="fp8")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else found(name, *a))
+    with pytest.raises(ValueError, match=r"parallelism.float8=rowwise needs torchao; pip install"):
+        validate(compose_config([*FAST, "parallelism.float8=rowwise"]))
     with pytest.raises(ValueError, match=r"float8=rowwise converts the linear layers of the model's blocks"):
         apply_float8([], "rowwise", "cpu", fsdp=False)
 
