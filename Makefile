@@ -81,6 +81,7 @@ gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl hydra-core==1.3.2 omegaconf==2.3.0
 	$(BIN)/python -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl torchao==0.18.0  # parallelism.float8
 
 lint: install
 	$(BIN)/ruff check .

@@ -205,8 +205,8 @@ def fsdp_offload_policy(module: Any) -> Any:
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
-    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend (collectives return at once, so
-    one process traces any rank of a big job); its store is in ``torch.testing._internal.distributed.fake_pg``."""
+    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend (its store: private, in
+    ``torch.testing._internal.distributed.fake_pg``): collectives return at once, moving nothing."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -214,21 +214,17 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
-    """``FakeTensorMode(**kwargs)``: a mode in which tensors carry shape, dtype and device but no storage.
-
-    ``torch._subclasses.fake_tensor.FakeTensorMode`` is private (there since torch 2.0; torch's own tracing and
-    ``torch.distributed._tools`` build on it); the planner steps an optimizer of any size on it.
-    """
+    """``FakeTensorMode(**kwargs)`` (``torch._subclasses.fake_tensor``, private, since torch 2.0; torch's tracing and
+    ``torch.distributed._tools`` build on it): tensors with shape, dtype and device but no storage, on which the
+    planner steps an optimizer of any size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
 
 
 def mem_tracker() -> Any:
-    """A new ``MemTracker``: follows every tensor a step creates, by module, and records the peak of what is alive.
-
-    ``torch.distributed._tools.mem_tracker.MemTracker`` is private (there since torch 2.5); it works under
-    :func:`fake_tensor_mode`, so the planner measures a rank's peak memory without allocating it."""
+    """A new ``MemTracker`` (``torch.distributed._tools.mem_tracker``, private, since torch 2.5): follows every tensor
+    a step creates, by module, and the peak of what is alive; under :func:`fake_tensor_mode` nothing is allocated."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
@@ -246,6 +242,11 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     from torch.cuda.memory import _dump_snapshot
 
     _dump_snapshot(path)
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (private): a mode that sees every op's outputs."""
+    return __import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode
 
 
 # --------------------------------------------------------------------------------------------- nn.Module surgery

@@ -167,6 +167,8 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             cp_rotate=par.cp_rotate,
             ddp_comm_hook=par.ddp_comm_hook,
             reduce_dtype=par.reduce_dtype,
+            float8=par.float8,
+            loss_chunks=par.loss_chunks,
             **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},
         )
     except ValueError as err:  # the same message, named as the config field
@@ -207,6 +209,11 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         raise ValueError(
             f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
             f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
+        )
+    if par.loss_chunks and isinstance(cfg.model, HFModelConfig):
+        raise ValueError(
+            f"parallelism.loss_chunks={par.loss_chunks} with parallelism.pp={dims.pp}: HFCausalLM's stages apply the "
+            "head themselves (the chunked loss runs under pp for the built-in GPT); set parallelism.loss_chunks=0."
         )
     if gpt and cfg.model.tie_embeddings and dims.tp_enabled:
         raise ValueError(

@@ -54,6 +54,9 @@ class PipelineSpec:
         stage_forward: ``stage_forward(stage_model, *inputs) -> Tensor`` run by each stage instead of the model's
             own ``forward`` (for models whose ``forward`` cannot skip the parts a stage lacks, e.g. HF's); ``None``
             = the model's ``forward``, which must then follow the stage contract (see ``ParallelModule``).
+        head: Name of a ``last`` part that ``loss_fn`` applies itself rather than the last stage (a loss that never
+            builds the whole logits: the stage returns the hidden states before it); calling the pipelined model
+            outside a loss (validation / predict code) applies it to them, so the model's output is the same.
     """
 
     model_attr: str
@@ -63,6 +66,7 @@ class PipelineSpec:
     loss_fn: Callable[..., Tensor] | None = None
     split_batch: Callable[[Any], tuple[Any, ...]] | None = None
     stage_forward: Callable[..., Tensor] | None = None
+    head: str | None = None
 
     def model(self, module: nn.Module) -> nn.Module:
         """The model to split, read from ``module`` (the LightningModule)."""

@@ -103,6 +103,12 @@ class PipelineStages:
         schedule, stages_per_rank = options.schedule, options.stages_per_rank
         microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
         spec = _pipeline_spec(module)
+        if options.loss_chunks and spec.head is None:
+            raise ValueError(
+                f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies "
+                "the head itself (its pipeline_spec() names no head for the loss to apply in pieces; the built-in "
+                "GPT's does); set loss_chunks=0."
+            )
         model = spec.model(module)
         num_stages = dims.pp * stages_per_rank
         keys, costs = pipeline.block_costs(model, spec)
@@ -262,6 +268,8 @@ class PipelineStages:
                 raise ValueError(
                     f"the last pipeline stage returned a {type(outputs).__name__}; a stage must return one tensor."
                 )
+            if self.spec.head is not None:  # the stage left the head to the loss: the model's output is its logits
+                outputs = self.spec.model(self.module).get_submodule(self.spec.head)(outputs)
             outputs = _local(outputs).contiguous()
         key = tuple((tuple(t.shape), t.dtype) for t in tensors)
         if key not in self._output_meta:  # a host read, once per input shape: the other ranks allocate the outputs
