@@ -200,7 +200,8 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         _check_context_parallel(cfg, dims, gpt)
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
-        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family)
+        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family,
+                     cfg.parallelism.loss_chunks)  # fmt: skip
     if not dims.pp_enabled:
         return
     num_stages = dims.pp * par.stages_per_rank

@@ -192,7 +192,14 @@ class HFCausalLM(pl.LightningModule):
         return causal_lm_loss(logits, targets, **kwargs)
 
     def set_loss_chunks(self, chunks: int) -> None:
-        """The head and loss in ``chunks`` pieces of the tokens, recomputed in the backward (0: whole); not under pp."""
+        """The head and loss in ``chunks`` pieces of the tokens, recomputed in the backward (0: whole); not under pp.
+
+        Raises:
+            ValueError: The family matrix does not vouch for the chunked loss of this family (one line).
+        """
+        if chunks > 0:
+            start = None if self._built else "init" if self.random_init else "pretrained"
+            check_family(self.hf_model_config, {}, start, self.allow_untested_family, loss_chunks=chunks)
         self.loss_chunks = chunks
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
