@@ -5,8 +5,7 @@ When one of these moves in a new release, this is the only file to change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,12 @@ from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
 from lightning_dist._compat_hf import hf_supported_attention as hf_supported_attention
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
+# torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)
+from lightning_dist._compat_pipelining import PIPELINE_STAGE_CHUNKS as PIPELINE_STAGE_CHUNKS
+from lightning_dist._compat_pipelining import pipeline_outputs_only as pipeline_outputs_only
+from lightning_dist._compat_pipelining import reshape_pipeline as reshape_pipeline
+from lightning_dist._compat_pipelining import wrap_stage_chunks as wrap_stage_chunks
+
 # transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)
 
 if TYPE_CHECKING:
@@ -24,7 +29,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import PipelineStage
 
 
 def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
@@ -270,44 +274,7 @@ def shallow_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-# ---------------------------------------------------------------------------------------------------- pipelining
-#: ``PipelineStage`` methods a schedule calls for each unit of work (not a documented extension point of torch).
-PIPELINE_STAGE_CHUNKS: tuple[str, ...] = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
-def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each of ``stage``'s chunk methods (:data:`PIPELINE_STAGE_CHUNKS`) by ``wrap(method)`` on the object."""
-    for name in PIPELINE_STAGE_CHUNKS:
-        setattr(stage, name, wrap(getattr(stage, name)))
-
-
 # ----------------------------------------------------------------------------------------------- Lightning data
-@contextmanager
-def pipeline_outputs_only(schedule: Any) -> Iterator[None]:
-    """Run a pipeline schedule's ``eval()`` for its last stage's outputs alone, computing no loss.
-
-    torch 2.13's ``eval()`` calls the schedule's loss function on every microbatch whenever the schedule has one (it
-    then needs targets); the private ``_loss_fn`` is what ``_maybe_compute_loss`` checks.
-    """
-    loss_fn, schedule._loss_fn = schedule._loss_fn, None
-    try:
-        yield
-    finally:
-        schedule._loss_fn = loss_fn
-
-
-def reshape_pipeline(schedule: Any) -> None:
-    """Make ``schedule`` infer its stages' activation shapes again at its next ``step`` / ``eval``.
-
-    torch 2.13 infers them (and sizes every receive buffer) on the first call only, and again only on a switch
-    between training and eval: a later batch of another shape would be received into the old buffers.
-    """
-    for prefix in ("_stage", "_stages"):  # single-stage / multi-stage schedules
-        if hasattr(schedule, f"{prefix}_forward_initialized"):
-            setattr(schedule, f"{prefix}_forward_initialized", False)
-            setattr(schedule, f"{prefix}_backward_initialized", False)
-
-
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 
