@@ -102,7 +102,8 @@ def functional_collectives_module() -> ModuleType:
     """``torch.distributed._functional_collectives`` (private): the module DTensor calls as ``funcol.<name>``.
 
     DTensor looks the functions up on this module at call time (``funcol.all_reduce``, ``all_gather_single``,
-    ``reduce_scatter_single`` in torch 2.13), so the communication tracker replaces them while it is installed."""
+    ``reduce_scatter_single`` in torch 2.13; ``all_gather_tensor``, ``reduce_scatter_tensor`` in 2.11), so the
+    communication tracker replaces them while it is installed (its names: ``telemetry/torch_patches.py``)."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol
@@ -118,6 +119,25 @@ def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
         return tensor.wait()
     return funcol.wait_tensor(tensor)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = every rank's ``input`` along dim 0: ``dist.all_gather_single`` (torch 2.13), else the name it
+    deprecates, ``all_gather_into_tensor`` (torch 2.11; same arguments). Looked up at each call, not bound once: the
+    telemetry's CommTracker counts the traffic by replacing torch.distributed's functions while it is installed."""
+    import torch.distributed as dist
+
+    fn = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_sum_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = this rank's dim-0 slice of ``input`` summed over ranks: ``dist.reduce_scatter_single`` (torch
+    2.13), else ``reduce_scatter_tensor`` (torch 2.11), looked up at each call as :func:`all_gather_single`."""
+    import torch.distributed as dist
+
+    fn = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
