@@ -18,8 +18,12 @@ from lightning_dist._compat_hf import set_attn_implementation as set_attn_implem
 
 # torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)
 from lightning_dist._compat_pipelining import PIPELINE_STAGE_CHUNKS as PIPELINE_STAGE_CHUNKS
+from lightning_dist._compat_pipelining import follow_train_eval_switch as follow_train_eval_switch
 from lightning_dist._compat_pipelining import pipeline_outputs_only as pipeline_outputs_only
+from lightning_dist._compat_pipelining import pipeline_stage as pipeline_stage
 from lightning_dist._compat_pipelining import reshape_pipeline as reshape_pipeline
+from lightning_dist._compat_pipelining import schedule_loss_kwargs as schedule_loss_kwargs
+from lightning_dist._compat_pipelining import stage_inputs as stage_inputs
 from lightning_dist._compat_pipelining import wrap_stage_chunks as wrap_stage_chunks
 
 # transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)
