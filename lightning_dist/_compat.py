@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 # transformers' private APIs live in a module of their own, read through this one (_compat.attn_implementation, ...)
 from lightning_dist._compat_hf import attn_implementation as attn_implementation
 from lightning_dist._compat_hf import hf_init_weights as hf_init_weights
+from lightning_dist._compat_hf import hf_natural_key as hf_natural_key
 from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
+from lightning_dist._compat_hf import hf_rename_source_key as hf_rename_source_key
 from lightning_dist._compat_hf import hf_supported_attention as hf_supported_attention
+from lightning_dist._compat_hf import hf_weight_transforms as hf_weight_transforms
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
 # torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)

@@ -47,3 +47,37 @@ def hf_supported_attention(model_class: type) -> set[str]:
         "flex_attention": "_supports_flex_attn",
     }
     return {"eager"} | {name for name, flag in flags.items() if getattr(model_class, flag, False)}
+
+
+def hf_weight_transforms(model: Any) -> tuple[list[Any], list[Any]]:
+    """The renamings and the converters transformers applies to a saved checkpoint's tensors when it loads them into
+    ``model`` (``conversion_mapping.get_model_conversion_mapping``: transformers 5 saves an MoE's experts one by one
+    and stacks them at load, renames legacy keys, ...); two empty lists on a transformers without them."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return [], []
+    mapping = get_model_conversion_mapping(model)
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    return [entry for entry in mapping if not isinstance(entry, WeightConverter)], converters
+
+
+def hf_rename_source_key(
+    key: str, renamings: list[Any], converters: list[Any], prefix: str, names: dict[str, Any]
+) -> tuple[str, str | None]:
+    """The model's name of the saved tensor ``key`` and, when a converter takes it, the converter's source pattern
+    it matched (``core_model_loading.rename_source_key``, as ``from_pretrained`` calls it)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamed, pattern = rename_source_key(key, renamings, converters, prefix, names)
+    if renamed not in names and key in names:  # as from_pretrained: a key the model has is not renamed away
+        renamed, pattern = rename_source_key(key, [], [], prefix, names)
+    return renamed, pattern
+
+
+def hf_natural_key(key: str) -> Any:
+    """The order transformers gathers a converter's tensors in (``layers.10`` after ``layers.9``)."""
+    from transformers.core_model_loading import dot_natural_key
+
+    return dot_natural_key(key)

@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from lightning_dist.checkpoint.hf_conversion import Conversion, conversions, load_converted
 from lightning_dist.models.gpt_hf import from_hf_names
 from lightning_dist.models.hf import HFCausalLM
 from lightning_dist.models.module import GPTModule
@@ -86,6 +87,18 @@ def weight_sources(path: Path, module: nn.Module, state: dict[str, Any]) -> dict
     return sources
 
 
+def weight_plan(path: Path, module: nn.Module, state: dict[str, Any]) -> tuple[dict[str, str], dict[str, Conversion]]:
+    """:func:`weight_sources` for the tensors of ``state`` saved as they are, and how transformers makes the others
+    from what it saved (an MoE's experts one by one: :mod:`~lightning_dist.checkpoint.hf_conversion`).
+
+    Raises:
+        ValueError: See :func:`weight_sources`.
+    """
+    available = reader(path).read_metadata().state_dict_metadata
+    converted = conversions(module, state, available) if is_hf_folder(path) else {}
+    return weight_sources(path, module, {n: t for n, t in state.items() if n not in converted}), converted
+
+
 def load_weights(path: Path, module: nn.Module) -> None:
     """Fill ``module``'s weights in place from a HuggingFace folder or a checkpoint folder, under any layout.
 
@@ -93,16 +106,17 @@ def load_weights(path: Path, module: nn.Module) -> None:
     safetensors). The optimizer, schedule and data position are not read: a new run starts from these weights.
 
     Raises:
-        ValueError: See :func:`weight_sources`.
+        ValueError: See :func:`weight_plan`.
     """
     state = get_model_state_dict(module)
-    sources = weight_sources(path, module, state)
+    sources, converted = weight_plan(path, module, state)
     # One DCP read per pass, each source key at most once per pass (a tied head and embedding share one source).
     passes: list[dict[str, Any]] = [{}, {}]
     for name, source in sources.items():
         passes[0 if source not in passes[0] else 1][source] = state[name]
     for targets in passes:  # every rank runs both passes: DCP's planning is collective
         dcp.load(targets, storage_reader=reader(path))  # a reader is stateful: a new one per load
+    load_converted(path, converted, state, getattr(module, "model", None))
     set_model_state_dict(module, state)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
 from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, run_record_of, unchecked_note
-from lightning_dist.checkpoint.weights import is_hf_folder, weight_sources
+from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
 from lightning_dist.config.environment import is_global_zero, launcher, restart_count, resume_folder
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -141,7 +141,7 @@ def _check_init_from(cfg: TrainConfig) -> None:
         )
     if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # names and shapes, on the meta device: nothing allocated
         module = _on_meta(cfg)
-        weight_sources(path, module, module.state_dict())
+        weight_plan(path, module, module.state_dict())
 
 
 def _check_ckpt_fits(cfg: TrainConfig, path: Path, label: str) -> None:

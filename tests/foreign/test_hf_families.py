@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import FAST, compose_config
-from support.hf_matrix import DOCS_PATH, LAYOUTS, RTOL, check_init, fit_losses, markdown, verdict
+from support.hf_matrix import DOCS_PATH, LAYOUTS, RTOL, _batches, check_init, fit_losses, markdown, verdict
 from support.hf_tiny import decoder_families, tiny_config
 
 from lightning_dist.config.validate import validate
@@ -131,3 +131,34 @@ def test_a_tensor_parallel_plan_from_the_command_line(tmp_path: Path) -> None:
     plan.write_text("model.model.layers.*.self_attn.q_proj: columnwise\n")
     with pytest.raises(ValueError, match=r"style 'columnwise' of 'model.model.layers.\*.self_attn.q_proj' is unknown"):
         validate(compose_config(overrides))
+
+
+def _first_losses(folder: str, names: list[str]) -> dict[str, float]:
+    from lightning_dist.callbacks.checkpoints import InitWeights
+
+    torch.set_num_threads(1)
+    start = (InitWeights(Path(folder)),)
+    return {name: fit_losses("mixtral", LAYOUTS[name], start, random_init=False, hf_source=folder)[0] for name in names}
+
+
+def test_an_moe_saved_expert_by_expert_starts_every_layout_from_its_weights(tmp_path: Path) -> None:
+    """transformers 5 saves an MoE's experts one by one and stacks them when it loads: read through its conversion
+    rules (checkpoint/hf_conversion.py), each rank slicing its part, the first loss is transformers' own."""
+    from safetensors import safe_open
+
+    from lightning_dist.models.hf_init import causal_lm_class
+    from lightning_dist.models.loss import token_loss
+
+    config = tiny_config("mixtral")
+    torch.manual_seed(1)
+    reference = causal_lm_class(config)(config).eval()
+    reference.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as saved:
+        keys = list(saved.keys())
+    assert any(".experts.0." in key for key in keys) and not any(key.endswith("experts.gate_up_proj") for key in keys)
+    inputs, targets = _batches()
+    with torch.no_grad():
+        want = float(token_loss(reference(input_ids=inputs[:4], use_cache=False).logits, targets[:4]))
+    ranks = launch(_first_losses, 2, str(tmp_path), ["fsdp2", "pp2"])[0]
+    assert ranks["fsdp2"] == pytest.approx(want, rel=RTOL) and ranks["pp2"] == pytest.approx(want, rel=RTOL)
+    validate(compose_config([*HF_FAST, f"model.pretrained={tmp_path}", "parallelism=fsdp"]))  # names, before launch
