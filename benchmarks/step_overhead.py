@@ -1,11 +1,9 @@
 """Step time of the app's per-rank path (``run.fit.fit``) vs a plain torch loop doing the same math, same processes.
 
-Run by hand: ``.venv/bin/python benchmarks/step_overhead.py --layout ddp fsdp tp pp --model tiny [--telemetry both]
-[--rounds 5] [--steps 30] [--warmup 5]``.
+Run by hand: ``benchmarks/step_overhead.py --layout ddp fsdp tp pp --model tiny [--telemetry both] [--rounds 5]``.
 
 For each layout, 2 ranks are started once (``lightning_dist.run.launch.launch``, one thread per rank); in those same
-two processes the variants then run in turn for ``--rounds`` rounds (the order rotated every round, so no variant
-always runs first):
+two processes the variants then run in turn for ``--rounds`` rounds (order rotated each round, no variant first):
 
 - ``library on`` / ``library off``: ``lightning_dist.run.fit.fit(valid_run, callbacks=[StepClock])``, what the app
   runs on each rank, with its default callbacks (loss history, preemption, heartbeat, layout, and Telemetry when

@@ -31,55 +31,7 @@ parameter name, same batches), otherwise the comparison is not between equal com
 
 ``--no-norm-variant`` adds a fourth, diagnostic variant: ours with the per-step gradient norm switched off.
 
-Results (2026-11-23, 2-core CPU VM, gloo, torch 2.13.0+cpu, lightning 2.6.6; defaults: GPT llama d_model=256,
-4 layers, 8 heads, vocab 256, seq_len 128, global batch 4, tp=2 dp_shard=1 on 2 ranks of 1 thread each)::
-
-    .venv/bin/python benchmarks/tp_overhead.py --rounds 5
-
-    | variant       | median ms | mean ms | best round ms | per-round medians ms          | ours / x | paired |
-    |---------------|-----------|---------|---------------|-------------------------------|----------|--------|
-    | ours          |     221.2 |   223.3 |         210.2 | 210.2 221.2 222.8 215.6 229.3 |    1.000 |  1.000 |
-    | (a) plain     |     209.1 |   211.0 |         196.0 | 196.0 208.7 209.1 213.8 213.8 |    1.058 |  1.066 |
-    | (b) lightning |     221.3 |   221.7 |         214.5 | 216.7 221.3 214.5 228.4 232.8 |    1.000 |  0.985 |
-
-    One global_grad_norm call: 13.67 ms = 6.5% of (a)'s step.
-    loss step 1 / last step, all three variants: 5.604046 / 5.591197 (max difference 0.00e+00)
-
-    .venv/bin/python benchmarks/tp_overhead.py --rounds 5 --no-norm-variant
-
-    | variant       | median ms | mean ms | best round ms | per-round medians ms          | ours / x | paired |
-    |---------------|-----------|---------|---------------|-------------------------------|----------|--------|
-    | ours          |     221.7 |   221.4 |         214.4 | 218.1 221.7 214.4 225.9 223.5 |    1.000 |  1.000 |
-    | (a) plain     |     215.9 |   215.3 |         206.8 | 223.0 221.2 206.8 215.9 211.3 |    1.027 |  1.037 |
-    | (b) lightning |     223.3 |   220.7 |         211.3 | 230.1 227.3 216.7 223.3 211.3 |    0.993 |  0.990 |
-    | ours no-norm  |     216.4 |   215.5 |         203.5 | 203.5 212.7 216.5 216.7 216.4 |    1.024 |  1.042 |
-
-    One global_grad_norm call: 12.49 ms = 5.8% of (a)'s step; losses again identical.
-
-Reading: the three variants compute exactly the same thing (bit-identical losses at step 1 and step 36). Over five
-runs of this benchmark that day (the two above and three while it was being written, 4-5 rounds each), ours / (a)
-was 1.053, 1.073, 0.996, 1.027, 1.058 (ratio of medians) and ours / (b) 1.033, 1.022, 0.978, 0.993, 1.000. So:
-
-- (b) "no slower than Lightning's ModelParallelStrategy": met within the noise (0.98-1.03, paired 0.985-1.013),
-  although ours does strictly more work per step.
-- (a) "within 5% of a plain loop": borderline: met in 2 of 5 runs by the ratio of medians, 3 of 5 by the paired
-  ratio (1.019-1.074). The gap is the gradient norm our strategy computes and logs every step (``train/grad_norm``):
-  one ``global_grad_norm`` call costs 10-15 ms here (5-7% of a step), as much as the whole gap, and with it switched
-  off ours matched (a) within 1% (216.4 vs 215.9 ms above; 1.008 in a 4-round run). The Lightning machinery itself
-  costs about nothing at this step size.
-- Why the norm is expensive: the DTensor ``foreach`` norm over the 39 gradients takes ~9.5 ms (dispatch, on one
-  thread) and issues 10 all-reduces, because the 9 sequence-parallel norm weights have ``Partial(sum)`` gradients
-  after backward (``tok_emb``'s gradient is ``Replicate``, the other 29 are ``Shard``). Local norms of the plain
-  shards plus one scalar all-reduce take ~0.7 ms, but would need the Partial gradients reduced first.
-
-Caveats: CPU only (gloo, one thread per rank, step ~210-230 ms), so the framework overheads and the DTensor
-dispatch cost weigh differently than on GPUs with NCCL; not measured on a GPU. The 2-core VM is noisy: a variant's
-per-run median moves by 5-15% between rounds (once by 50% while something else ran), more than the effects measured
-here, hence the interleaving, five rounds and the paired ratios. While these numbers were taken, about one launch
-in 30 had a rank die with SIGABRT ("terminate called without an active exception") during interpreter shutdown after
-its work had returned (gloo teardown); ``launch`` now ends finished ranks without that shutdown.
-``--tp 2 --dp-shard 2`` (FSDP2 on top, 4 ranks) was run only to check that the losses agree (they do, exactly);
-its timings on 2 cores mean nothing.
+Results, readings and caveats (2026-11-23, 2-core CPU VM): ``docs/benchmarks.md``, "TP step time in full".
 """
 
 from __future__ import annotations
