@@ -8,7 +8,7 @@ ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 # app: Hydra, W&B, the console scripts; hf: transformers, datasets; slurm: submitit; loggers: TensorBoard, MLflow.
-ARG EXTRAS=app,hf,slurm,loggers
+ARG EXTRAS=app,hf,eval,slurm,loggers
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -23,6 +23,7 @@ from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.optim_config import OptimConfig
 
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
@@ -266,6 +267,8 @@ class HFModelConfig:
     allow_untested_family: bool = False
     """Run a family the family matrix does not list (a newer transformers; docs/reference/hf-families.md): its
     layouts were not checked against one process."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (LoRA, peft) trained on the frozen model: model.lora.rank=16 (0 = every weight trained)."""
 
 
 @dataclass

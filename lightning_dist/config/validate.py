@@ -15,6 +15,7 @@ builds nothing the ranks build again (the synthetic corpus is theirs to make).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,7 @@ from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_siz
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
+from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -244,6 +246,13 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
         )
 
 
+def check_lora(lora: LoraConfig, accelerator: str) -> None:
+    """``model.lora``: its values, QLoRA's device, and peft installed (one line each)."""
+    lora.check(accelerator)
+    if lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ValueError(f"model.lora.rank={lora.rank} needs peft: pip install 'lightning-dist[hf]' (or set rank 0).")
+
+
 def _model_name(cfg: TrainConfig) -> str:
     model = cfg.model
     return "hf" if isinstance(model, HFModelConfig) else "custom" if isinstance(model, TargetConfig) else "gpt"
@@ -259,6 +268,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
         model.validate()
     if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
         cfg.optim.validate()
+        check_lora(model.lora, cfg.cluster.accelerator)
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)

@@ -11,8 +11,9 @@ from torch import nn
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.context import ContextParallelSpec, apply_context_parallel
 from lightning_dist.parallel.data import apply_fsdp
+from lightning_dist.parallel.lora import adapter_plan
 from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel
+from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, expand_plan
 from lightning_dist.parallel_dims import ParallelDims
 
 
@@ -62,7 +63,8 @@ def parallelize(
                 f"tp={dims.tp} needs a tensor-parallel plan: pass plan= to the strategy or define "
                 "tensor_parallel_plan() on the LightningModule."
             )
-        applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
+        # Low-rank adapters (LoRA) take the styles their base layer's style implies (parallel/lora.py).
+        applied = apply_tensor_parallel(module, mesh["tp"], adapter_plan(module, expand_plan(module, tp_plan)))
         retie(module, ties)
     # 1b. Context parallelism: it changes no parameter (only the attention function and the position tables), so
     #     it composes with TP in either order; before compile, so the compiled blocks call the cp attention.
