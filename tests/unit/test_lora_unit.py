@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_dist.config.validate import validate
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.models.lora import apply_lora, init_lora, merged, resolve_targets
+from lightning_dist.models.lora import apply_lora, merged, resolve_targets
 from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
@@ -113,3 +113,25 @@ def test_bad_lora_values_stop_before_launch_in_one_line(override: str, message: 
     with pytest.raises(ValueError, match=message) as err:
         validate(compose_config([*FAST, "model.lora.rank=8", override]))
     assert "\n" not in str(err.value)
+
+
+def test_the_planner_counts_gradients_and_optimizer_state_for_the_adapters_only() -> None:
+    from dataclasses import replace
+
+    from lightning_dist.parallel.options import ParallelOptions
+    from lightning_dist.parallel_dims import ParallelDims
+    from lightning_dist.plan.memory import count_local_params, estimate_memory, lora_block_params
+
+    cfg = GPTConfig(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, vocab_size=512)
+    tuned = replace(cfg, lora=LoraConfig(rank=8))
+    module = _gpt(LoraConfig(rank=8))  # the tiny GPT's real adapters: the count is exact
+    real = sum(p.numel() for n, p in module.named_parameters() if ".lora_" in n)
+    assert lora_block_params(module.model_config) * module.model_config.n_layers == real
+    for tp, dp_shard in ((1, 1), (2, 1), (1, 4)):
+        dims = ParallelDims(tp=tp, dp_shard=dp_shard, world_size=tp * dp_shard)
+        local = count_local_params(cfg, tp, dp_shard)
+        full = estimate_memory(cfg, dims, ParallelOptions(), local_params=local, seq_len=64, micro_batch=2)
+        lora = estimate_memory(tuned, dims, ParallelOptions(), local_params=local, seq_len=64, micro_batch=2)
+        adapters = 4 * lora_block_params(tuned, tp) // dp_shard
+        assert lora.optimizer == 8 * adapters < full.optimizer / 5
+        assert lora.grads == 4 * adapters and lora.params == 4 * (local + adapters)
