@@ -91,7 +91,7 @@ def export_adapter(ckpt: Any, lora: LoraConfig, out: Path, dtype: torch.dtype | 
     from safetensors.torch import save_file
 
     layers = adapted_layers(ckpt.names)
-    hf_names = _hf_layer_names(ckpt.hyper_parameters, layers)
+    hf_names = hf_layer_names(ckpt.hyper_parameters, layers)
     tensors = {}
     read = ckpt.read([name for layer in layers for name in adapter_names(layer)])
     for layer in layers:
@@ -116,7 +116,7 @@ def export_adapter(ckpt: Any, lora: LoraConfig, out: Path, dtype: torch.dtype | 
     return out
 
 
-def _hf_layer_names(hp: dict[str, Any], layers: list[str]) -> dict[str, str]:
+def hf_layer_names(hp: dict[str, Any], layers: list[str]) -> dict[str, str]:
     """Each adapted layer's name in the HuggingFace model the export writes (``model.`` prefix dropped; the built-in
     GPT's layers by the Llama names its export uses)."""
     if "hf_config" in hp:

@@ -192,6 +192,9 @@ class CheckpointConfig:
     async_save: bool = False
     """Copy the state to host memory and write it in the background (DCP async_save); the step waits for the copy
     only. Mesh layouts (not parallelism=ddp)."""
+    save_hf: bool = False
+    """Also write HuggingFace safetensors (config.json, the tokenizer) into each checkpoint's hf/ folder, consolidated
+    from every rank's slices (a LoRA run: its peft adapter folder), for lightning-dist-eval / -generate / sharing."""
     verify: str = "checksums"
     """How a checkpoint is checked before a run continues from it (resume, ckpt_path, restarts): checksums (each
     file's size and CRC-32 against the manifest written with it: the checkpoint is read once, ~0.3 s per GB from the

@@ -253,6 +253,20 @@ def check_lora(lora: LoraConfig, accelerator: str) -> None:
         raise ValueError(f"model.lora.rank={lora.rank} needs peft: pip install 'lightning-dist[hf]' (or set rank 0).")
 
 
+def check_save_hf(model: object) -> None:
+    """``checkpoint.save_hf``: a model whose HuggingFace weights a sharded write can name (one line otherwise)."""
+    if isinstance(model, GPTConfig) and model.arch != "llama":
+        raise ValueError(
+            f"checkpoint.save_hf=true with model.arch={model.arch}: its HuggingFace weights are fused from ours, which "
+            "a sharded write cannot do; export them after the run (lightning-dist-export RUN OUT), or use arch=llama."
+        )
+    if not isinstance(model, (GPTConfig, HFModelConfig)):
+        raise ValueError(
+            "checkpoint.save_hf=true with your own LightningModule: it has no HuggingFace names; save them in your "
+            "module, or set checkpoint.save_hf=false."
+        )
+
+
 def _model_name(cfg: TrainConfig) -> str:
     model = cfg.model
     return "hf" if isinstance(model, HFModelConfig) else "custom" if isinstance(model, TargetConfig) else "gpt"
@@ -269,6 +283,8 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
         cfg.optim.validate()
         check_lora(model.lora, cfg.cluster.accelerator)
+    if cfg.checkpoint.save_hf:
+        check_save_hf(model)
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)

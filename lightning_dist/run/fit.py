@@ -66,7 +66,12 @@ def fit(
     history = LossHistory()
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(
-        out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last, run_record(cfg)
+        out_dir / "checkpoints",
+        every.every_n_steps,
+        every.every_n_minutes,
+        every.keep_last,
+        run_record(cfg),
+        save_hf=every.save_hf,
     )
     preemption = Preemption()
     shown = ShowLayout()

@@ -36,6 +36,7 @@ HF_COMMON = [o for o in FAST if not o.startswith("model.")] + [
     f"trainer.max_steps={STEPS}",
     "trainer.enable_checkpointing=true",
     "checkpoint.every_n_steps=2",
+    "checkpoint.save_hf=true",  # each checkpoint's hf/: the peft adapter folder
 ]
 LAYOUTS = {
     "one": ["parallelism=fsdp", "cluster.devices=1"],
@@ -136,6 +137,17 @@ def test_the_adapter_export_loads_with_peft_and_the_merged_export_with_transform
         after = merged(ids).logits
     assert (adapted - before).abs().max() > 1e-4  # the trained adapters change the model
     torch.testing.assert_close(adapted, after, rtol=1e-4, atol=1e-5)
+    # checkpoint.save_hf wrote the same adapter folder during training (every rank's slices, consolidated).
+    during = _checkpoint(runs["fsdp2"]).path / "hf"
+    assert set(json.loads((during / "adapter_config.json").read_text())["target_modules"]) == set(
+        config["target_modules"]
+    )
+    for name, tensor in load_file(tmp_path / "adapter" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(load_file(during / "adapter_model.safetensors")[name], tensor, rtol=0, atol=0)
+    with torch.no_grad():
+        fresh = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+        again = peft.PeftModel.from_pretrained(fresh, during).eval()(ids).logits
+    torch.testing.assert_close(again, adapted, rtol=0, atol=0)
     trained = _checkpoint(runs["fsdp2"]).read(["model.model.layers.0.self_attn.q_proj.lora_A.default.weight"])
     peft_state = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     torch.testing.assert_close(
