@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.config.environment import hydra_run_dir, hydra_subdir
+from lightning_dist.config.finetune import EvalConfig
 from lightning_dist.config.keys import unknown_key
 from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
@@ -304,6 +305,8 @@ class TrainConfig:
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """lightning-dist-plan: which layouts to search and how to show them."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """lm-eval tasks during training, on each checkpoint's HuggingFace save (needs checkpoint.save_hf=true)."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Debugging aids: a profiler trace of chosen steps, CUDA memory snapshots (debug=fdr|overfit|profile|memory)."""
     callbacks: dict[str, Any] = field(default_factory=dict)

@@ -15,7 +15,6 @@ builds nothing the ranks build again (the synthetic corpus is theirs to make).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +23,7 @@ from pathlib import Path
 from hydra.utils import get_class
 
 from lightning_dist.config import environment
+from lightning_dist.config.finetune import check_finetune
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -35,7 +35,6 @@ from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_siz
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
-from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -246,27 +245,6 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
         )
 
 
-def check_lora(lora: LoraConfig, accelerator: str) -> None:
-    """``model.lora``: its values, QLoRA's device, and peft installed (one line each)."""
-    lora.check(accelerator)
-    if lora.enabled and importlib.util.find_spec("peft") is None:
-        raise ValueError(f"model.lora.rank={lora.rank} needs peft: pip install 'lightning-dist[hf]' (or set rank 0).")
-
-
-def check_save_hf(model: object) -> None:
-    """``checkpoint.save_hf``: a model whose HuggingFace weights a sharded write can name (one line otherwise)."""
-    if isinstance(model, GPTConfig) and model.arch != "llama":
-        raise ValueError(
-            f"checkpoint.save_hf=true with model.arch={model.arch}: its HuggingFace weights are fused from ours, which "
-            "a sharded write cannot do; export them after the run (lightning-dist-export RUN OUT), or use arch=llama."
-        )
-    if not isinstance(model, (GPTConfig, HFModelConfig)):
-        raise ValueError(
-            "checkpoint.save_hf=true with your own LightningModule: it has no HuggingFace names; save them in your "
-            "module, or set checkpoint.save_hf=false."
-        )
-
-
 def _model_name(cfg: TrainConfig) -> str:
     model = cfg.model
     return "hf" if isinstance(model, HFModelConfig) else "custom" if isinstance(model, TargetConfig) else "gpt"
@@ -282,9 +260,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
         model.validate()
     if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
         cfg.optim.validate()
-        check_lora(model.lora, cfg.cluster.accelerator)
-    if cfg.checkpoint.save_hf:
-        check_save_hf(model)
+    check_finetune(cfg)  # model.lora, checkpoint.save_hf, eval.*
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)
