@@ -34,6 +34,7 @@ from torch import Tensor
 from lightning_dist import _compat
 from lightning_dist.checkpoint.adapters import MergedCheckpoint, describe, export_adapter, lora_of
 from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
+from lightning_dist.checkpoint.model_card import model_card, push_to_hub, read_report
 from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.errors import first_line
@@ -295,10 +296,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="a LoRA run (model.lora): merge the adapters into the weights (default: a peft adapter folder)",
     )
+    parser.add_argument(
+        "--push-to-hub", metavar="REPO", help="upload the exported folder to this hub repo, with a model card"
+    )
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     args = parser.parse_args(argv)
     fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
+        if args.push_to_hub and fmt != "hf":
+            raise ValueError(f"--push-to-hub uploads a folder; give a folder for OUT, not {args.out}.")
         with staged(args.out, folder=fmt == "hf", overwrite=args.overwrite) as tmp:
             ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
             if ckpt.unchecked:
@@ -317,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
                 fmt = describe(tmp)
             else:
                 export_hf(ckpt, tmp, dtype, _size(args.max_shard_size))
+            if args.push_to_hub:  # the card: base model, layout, tokens seen, loss curve (the run's report.json)
+                step = int(ckpt.path.name.rpartition("-")[2]) if ckpt.path.name.startswith("step-") else None
+                card = model_card(args.push_to_hub, ckpt.hyper_parameters, read_report(ckpt.path), step)
+                (tmp / "README.md").write_text(card)
+        if args.push_to_hub:
+            print(f"pushed {args.out} -> {push_to_hub(args.out, args.push_to_hub, args.private)}")
     except ValueError as err:
         sys.exit(f"lightning-dist-export: {err}")
     except Exception as err:  # a write that fails (a full disk, a quota): one line, and nothing left at OUT

@@ -57,6 +57,7 @@ def save_hf(module: nn.Module, folder: Path, hyper_parameters: dict[str, Any]) -
     dcp.save(hf_state, storage_writer=writer, no_dist=not dist.is_initialized())
     if rank == 0:
         shutil.rmtree(folder / "sharded", ignore_errors=True)  # the ranks' slices, now consolidated
+        (folder / "model.safetensors.index.json").unlink(missing_ok=True)  # DCP's; ours names the files we keep
         files = sorted(folder.glob("*.safetensors"))
         if lora is not None:
             files[0].rename(folder / "adapter_model.safetensors")

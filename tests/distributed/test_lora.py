@@ -164,3 +164,33 @@ def test_the_built_in_gpt_under_tp2_with_sequence_parallelism_matches_one_proces
     tp2 = run_app([*common, *LAYOUTS["tp2"], "parallelism.sequence_parallel=true"], tmp_path / "tp2")
     np.testing.assert_allclose(losses(tp2), losses(one), rtol=1e-5)
     assert losses(one)[-1] < losses(one)[0]
+
+
+def test_the_adapter_is_pushed_to_the_hub_with_a_model_card_from_the_run_s_report(
+    runs: dict[str, dict], pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from hub_standin import HubStandIn
+
+    run_dir = Path(runs["fsdp2"]["checkpoint"]).parents[1]
+    report = json.loads((run_dir / "report.json").read_text())
+    with HubStandIn() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_write_token")
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        export_main([str(run_dir), str(tmp_path / "adapter"), "--push-to-hub", "me/tiny-adapter", "--private"])
+    assert hub.uploads[0] == {"create": "me/tiny-adapter", "private": True}
+    files = hub.uploads[1]["files"]
+    assert (
+        set(files) == {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "README.md"}
+    )
+    assert files["adapter_model.safetensors"] == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert {r["authorization"] for r in hub.requests} == {"Bearer hf_write_token"}
+    card = files["README.md"].decode()
+    assert "library_name: peft" in card and f"base_model: {pretrained.name}" in card
+    assert f"| tokens seen | {report['steps'] * report['tokens_per_step']:,} |" in card
+    assert "| LoRA | rank 4, alpha 8" in card and f"| layout | {report['layout']} |" in card
+    for record in report["history"]:  # the loss curve, every step of this short run
+        assert f"| {int(record['step'])} | {record['train/loss']:.4f} |" in card

@@ -1,14 +1,17 @@
 """A local stand-in for the HuggingFace hub's HTTP API, file-backed, for tests without network.
 
-Serves the paths ``huggingface_hub`` calls to download (``GET /api/{models,datasets}/<repo>/revision/<rev>``, ``HEAD``
-and ``GET /[datasets/]<repo>/resolve/<rev>/<file>``) from folders the test registers, and records every request with
-its ``Authorization`` header, so a test can check what was fetched, how often, and with which token. Point
-huggingface_hub at it with ``HF_ENDPOINT=<url>`` (read when huggingface_hub is imported: set it in the environment of
-the process that imports it, or patch ``huggingface_hub.constants.ENDPOINT``).
+Serves the paths ``huggingface_hub`` calls to download (``GET /api/{models,datasets}/<repo>/revision/<rev>`` and
+``.../tree/<rev>``, ``HEAD`` / ``GET /[datasets/]<repo>/resolve/<rev>/<file>``) from folders the test registers, and
+takes uploads (``POST /api/repos/create``, ``/api/validate-yaml``, ``/preupload/``, ``/commit/``: each file inline).
+Every request is recorded with its ``Authorization`` header and every upload with its files, so a test can check what
+was fetched, how often, with which token, and what was pushed. Point huggingface_hub at it with ``HF_ENDPOINT=<url>``
+(our code reads it at call time).
 """
 
 from __future__ import annotations
 
+import base64
+import gzip
 import hashlib
 import json
 import threading
@@ -62,6 +65,48 @@ class _Handler(BaseHTTPRequestHandler):
         self._record()
         self._file(body=False)
 
+    def do_POST(self) -> None:
+        """Repo creation and commits (every file uploaded inline, "regular" mode: no LFS / Xet round trip)."""
+        self._record()
+        path = unquote(self.path.split("?")[0])
+        body = self._body()
+        if path == "/api/repos/create":
+            request = json.loads(body or b"{}")
+            repo_id = (
+                f"{request.get('organization') or 'user'}/{request['name']}"
+                if "/" not in request.get("name", "")
+                else request["name"]
+            )
+            private = request.get(
+                "private", request.get("visibility", "public") == "private"
+            )  # huggingface_hub 0.x / 1+
+            self.hub.uploads.append({"create": repo_id, "private": private})
+            return self._send(200, json.dumps({"url": f"{self.hub.url}/{repo_id}"}).encode(), {})
+        if path == "/api/validate-yaml":  # a README.md's metadata block, checked before the commit
+            return self._send(200, b'{"errors": [], "warnings": []}', {"Content-Type": "application/json"})
+        if "/preupload/" in path:
+            files = json.loads(body or b"{}").get("files", [])
+            answer = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+            return self._send(200, json.dumps({"files": answer}).encode(), {"Content-Type": "application/json"})
+        if "/commit/" in path:
+            lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+            files = {}
+            for line in lines:
+                if line.get("key") == "file":
+                    value = line["value"]
+                    files[value["path"]] = (
+                        base64.b64decode(value["content"])
+                        if value.get("encoding") == "base64"
+                        else value["content"].encode()
+                    )
+            repo_id = path.split("/api/models/")[-1].split("/commit/")[0]
+            self.hub.uploads.append({"commit": repo_id, "files": files,
+                                     "message": next((x["value"].get("summary") for x in lines
+                                                      if x.get("key") == "header"), None)})  # fmt: skip
+            answer = {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{SHA}", "commitOid": SHA}
+            return self._send(200, json.dumps(answer).encode(), {"Content-Type": "application/json"})
+        return self._send(404, b"not found", {})
+
     def do_GET(self) -> None:
         self._record()
         path = unquote(self.path.split("?")[0])
@@ -69,6 +114,22 @@ class _Handler(BaseHTTPRequestHandler):
             self._info(path)
         else:
             self._file(body=True)
+
+    def _body(self) -> bytes:
+        """The request's body: by Content-Length, or chunked; gunzipped when sent compressed."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while True:
+                size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                if size == 0:
+                    self.rfile.readline()
+                    break
+                body += self.rfile.read(size)
+                self.rfile.readline()
+        else:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+        return gzip.decompress(body) if self.headers.get("Content-Encoding") == "gzip" else body
 
     def _repo(self, parts: list[str], kind: str) -> tuple[str, Path] | None:
         for (k, repo_id), folder in self.hub.repos.items():
