@@ -12,6 +12,11 @@ table compares each app row with the plain row of the same model and compile mod
   every default callback and the telemetry on; ``parallelism=fsdp`` (FSDP2, bf16 parameters, fp32 reductions) or
   ``ddp`` (Lightning's DDP, bf16 autocast); the synthetic corpus.
 - compiled: every block ``torch.compile``d in place (``parallelism.compile=true``; the plain loop likewise).
+- ``float8``: the blocks' linears in float8 (``parallelism.float8=tensorwise``, torchao), compiled, against bf16
+  compiled; ``chunked-loss``: the head and loss in 8 pieces (``parallelism.loss_chunks=8``) against the whole loss,
+  eager. Each app row also reports the step's peak device memory (``torch.cuda.max_memory_allocated``): the chunked
+  row's against the eager bf16 row's is the logits' memory saved (the planner: 8192 tokens x 128256 x 10 bytes x
+  7/8 = 8.6 GiB at this shape).
 
 Timing: ``torch.cuda.synchronize`` at the end of step ``warmup`` and of step ``warmup + steps`` only, so the window
 holds whole steps, logging steps included (``log_every_n_steps=10``: one in a 10-step window).
@@ -41,6 +46,14 @@ ROWS: dict[str, tuple[str, str, str, bool]] = {
     "app-gpt-ddp-compiled": ("app", "gpt", "ddp", True),
     "plain-hf-eager": ("plain", "hf", "", False),
     "app-hf-fsdp-eager": ("app", "hf", "fsdp", False),
+    "app-gpt-fsdp-float8-compiled": ("app", "gpt", "fsdp", True),
+    "app-gpt-fsdp-chunked-loss-eager": ("app", "gpt", "fsdp", False),
+}
+#: name -> the options a row adds (issue 37), and the bf16 row it is compared with: float8 tensorwise (torchao)
+#: compiled against bf16 compiled (tokens/s), the loss in 8 pieces against the whole loss (peak memory).
+OPTIONS: dict[str, tuple[list[str], str]] = {
+    "app-gpt-fsdp-float8-compiled": (["parallelism.float8=tensorwise"], "app-gpt-fsdp-compiled"),
+    "app-gpt-fsdp-chunked-loss-eager": (["parallelism.loss_chunks=8"], "app-gpt-fsdp-eager"),
 }
 #: Llama-3.2-1B's shape, as conf/model/llama_1b.yaml.
 SHAPE = {"vocab_size": 128256, "n_layers": 16, "d_model": 2048, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 8192,
@@ -107,7 +120,7 @@ def run_plain(model_kind: str, compile_: bool, shape: dict[str, Any], seq: int, 
 
 
 def run_app(model_kind: str, layout: str, compile_: bool, shape: dict[str, Any], seq: int, micro: int, warmup: int,
-            steps: int, device: str, folder: str) -> dict[str, Any]:  # fmt: skip
+            steps: int, device: str, folder: str, options: list[str] = ()) -> dict[str, Any]:  # fmt: skip
     """The app's rank path (``fit``) with a clock at two step ends; returns seconds per step over the window."""
     import lightning.pytorch as pl
     from hydra import compose, initialize_config_dir
@@ -127,7 +140,7 @@ def run_app(model_kind: str, layout: str, compile_: bool, shape: dict[str, Any],
         "trainer.enable_checkpointing=false", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=0",
         f"trainer.max_steps={warmup + steps}", "trainer.enable_progress_bar=false", "telemetry.report=false",
         f"data.seq_len={seq}", f"data.global_batch_size={micro}", f"data.num_train_samples={micro * (warmup + steps)}",
-        f"output_dir={folder}/run",
+        f"output_dir={folder}/run", *options,
     ]  # fmt: skip
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "lightning_dist" / "conf"), version_base="1.3"):
@@ -143,9 +156,14 @@ def run_app(model_kind: str, layout: str, compile_: bool, shape: dict[str, Any],
                 self.times[trainer.global_step] = time.perf_counter()
 
     clock = Clock()
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     result = fit(cfg, callbacks=[clock])
     seconds = clock.times[warmup + steps] - clock.times[warmup]
-    return {"s_per_step": seconds / steps, "loss": result.train_loss}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {"s_per_step": seconds / steps, "loss": result.train_loss, "peak_gib": peak}
 
 
 def _sync(cuda: bool) -> None:
@@ -170,13 +188,14 @@ def one_row(name: str, smoke: bool, steps: int) -> dict[str, Any]:
         if runner == "plain":
             measured = run_plain(model_kind, compile_, shape, seq, micro, warmup, steps, device)
         else:
-            measured = run_app(model_kind, layout, compile_, shape, seq, micro, warmup, steps, device, folder)
+            measured = run_app(model_kind, layout, compile_, shape, seq, micro, warmup, steps, device, folder,
+                               OPTIONS.get(name, ([], ""))[0])  # fmt: skip
     tokens_per_s = seq * micro / measured["s_per_step"]
     with torch.device("meta"):
         flops = GPT(GPTConfig(**shape)).flops_per_token(seq)
     peak = 989.4e12 if device == "cuda" else None  # H100 / H200 SXM dense bf16
     return {"row": name, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak if peak else None,
-            "loss": measured["loss"]}  # fmt: skip
+            "loss": measured["loss"], "peak_gib": measured.get("peak_gib")}  # fmt: skip
 
 
 def run_rows(names: list[str], smoke: bool, steps: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -203,10 +222,11 @@ def run_rows(names: list[str], smoke: bool, steps: int, timeout_s: float) -> lis
 def table(results: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: tokens/s, app / plain of the same model and compile mode, MFU."""
     by_name = {r["row"]: r for r in results}
-    lines = ["| run | tokens/s | vs plain | MFU | wall s |", "|---|---|---|---|---|"]
+    lines = ["| run | tokens/s | vs plain | vs its bf16 row | MFU (bf16 peak) | peak GiB | wall s |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | failed: {r['error']} | | | {r['wall_s']} |")
+            lines.append(f"| {r['row']} | failed: {r['error']} | | | | | {r['wall_s']} |")
             continue
         runner, model_kind, _, compile_ = ROWS[r["row"]]
         plain = by_name.get(f"plain-{model_kind}-{'compiled' if compile_ else 'eager'}")
@@ -215,7 +235,11 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         ratio = r["tokens_per_s"] / plain["tokens_per_s"] if plain and "tokens_per_s" in plain else None
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         shown = f"{ratio:.3f}" if ratio is not None and runner == "app" else "1" if runner == "plain" else "-"
-        lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {shown} | {mfu} | {r['wall_s']} |")
+        bf16 = by_name.get(OPTIONS[r["row"]][1]) if r["row"] in OPTIONS else None
+        against = f"{r['tokens_per_s'] / bf16['tokens_per_s']:.3f}" if bf16 and "tokens_per_s" in bf16 else "-"
+        peak_gib = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {shown} | {against} | {mfu} | {peak_gib} | "
+                     f"{r['wall_s']} |")  # fmt: skip
     return lines
 
 

@@ -5,8 +5,7 @@ When one of these moves in a new release, this is the only file to change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,16 @@ from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
 from lightning_dist._compat_hf import hf_supported_attention as hf_supported_attention
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
+# torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)
+from lightning_dist._compat_pipelining import PIPELINE_STAGE_CHUNKS as PIPELINE_STAGE_CHUNKS
+from lightning_dist._compat_pipelining import follow_train_eval_switch as follow_train_eval_switch
+from lightning_dist._compat_pipelining import pipeline_outputs_only as pipeline_outputs_only
+from lightning_dist._compat_pipelining import pipeline_stage as pipeline_stage
+from lightning_dist._compat_pipelining import reshape_pipeline as reshape_pipeline
+from lightning_dist._compat_pipelining import schedule_loss_kwargs as schedule_loss_kwargs
+from lightning_dist._compat_pipelining import stage_inputs as stage_inputs
+from lightning_dist._compat_pipelining import wrap_stage_chunks as wrap_stage_chunks
+
 # transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)
 
 if TYPE_CHECKING:
@@ -24,7 +33,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import PipelineStage
 
 
 def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
@@ -98,7 +106,8 @@ def functional_collectives_module() -> ModuleType:
     """``torch.distributed._functional_collectives`` (private): the module DTensor calls as ``funcol.<name>``.
 
     DTensor looks the functions up on this module at call time (``funcol.all_reduce``, ``all_gather_single``,
-    ``reduce_scatter_single`` in torch 2.13), so the communication tracker replaces them while it is installed."""
+    ``reduce_scatter_single`` in torch 2.13; ``all_gather_tensor``, ``reduce_scatter_tensor`` in 2.11), so the
+    communication tracker replaces them while it is installed (its names: ``telemetry/torch_patches.py``)."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol
@@ -114,6 +123,25 @@ def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
         return tensor.wait()
     return funcol.wait_tensor(tensor)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = every rank's ``input`` along dim 0: ``dist.all_gather_single`` (torch 2.13), else the name it
+    deprecates, ``all_gather_into_tensor`` (torch 2.11; same arguments). Looked up at each call, not bound once: the
+    telemetry's CommTracker counts the traffic by replacing torch.distributed's functions while it is installed."""
+    import torch.distributed as dist
+
+    fn = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_sum_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = this rank's dim-0 slice of ``input`` summed over ranks: ``dist.reduce_scatter_single`` (torch
+    2.13), else ``reduce_scatter_tensor`` (torch 2.11), looked up at each call as :func:`all_gather_single`."""
+    import torch.distributed as dist
+
+    fn = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
@@ -205,8 +233,8 @@ def fsdp_offload_policy(module: Any) -> Any:
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
-    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend (collectives return at once, so
-    one process traces any rank of a big job); its store is in ``torch.testing._internal.distributed.fake_pg``."""
+    """Make this process rank ``rank`` of ``world_size`` on torch's ``fake`` backend (its store: private, in
+    ``torch.testing._internal.distributed.fake_pg``): collectives return at once, moving nothing."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -214,21 +242,17 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
-    """``FakeTensorMode(**kwargs)``: a mode in which tensors carry shape, dtype and device but no storage.
-
-    ``torch._subclasses.fake_tensor.FakeTensorMode`` is private (there since torch 2.0; torch's own tracing and
-    ``torch.distributed._tools`` build on it); the planner steps an optimizer of any size on it.
-    """
+    """``FakeTensorMode(**kwargs)`` (``torch._subclasses.fake_tensor``, private, since torch 2.0; torch's tracing and
+    ``torch.distributed._tools`` build on it): tensors with shape, dtype and device but no storage, on which the
+    planner steps an optimizer of any size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
 
 
 def mem_tracker() -> Any:
-    """A new ``MemTracker``: follows every tensor a step creates, by module, and records the peak of what is alive.
-
-    ``torch.distributed._tools.mem_tracker.MemTracker`` is private (there since torch 2.5); it works under
-    :func:`fake_tensor_mode`, so the planner measures a rank's peak memory without allocating it."""
+    """A new ``MemTracker`` (``torch.distributed._tools.mem_tracker``, private, since torch 2.5): follows every tensor
+    a step creates, by module, and the peak of what is alive; under :func:`fake_tensor_mode` nothing is allocated."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
@@ -246,6 +270,11 @@ def dump_cuda_memory_snapshot(path: str) -> None:
     from torch.cuda.memory import _dump_snapshot
 
     _dump_snapshot(path)
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (private): a mode that sees every op's outputs."""
+    return __import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode
 
 
 # --------------------------------------------------------------------------------------------- nn.Module surgery
@@ -269,44 +298,7 @@ def shallow_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-# ---------------------------------------------------------------------------------------------------- pipelining
-#: ``PipelineStage`` methods a schedule calls for each unit of work (not a documented extension point of torch).
-PIPELINE_STAGE_CHUNKS: tuple[str, ...] = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
-def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each of ``stage``'s chunk methods (:data:`PIPELINE_STAGE_CHUNKS`) by ``wrap(method)`` on the object."""
-    for name in PIPELINE_STAGE_CHUNKS:
-        setattr(stage, name, wrap(getattr(stage, name)))
-
-
 # ----------------------------------------------------------------------------------------------- Lightning data
-@contextmanager
-def pipeline_outputs_only(schedule: Any) -> Iterator[None]:
-    """Run a pipeline schedule's ``eval()`` for its last stage's outputs alone, computing no loss.
-
-    torch 2.13's ``eval()`` calls the schedule's loss function on every microbatch whenever the schedule has one (it
-    then needs targets); the private ``_loss_fn`` is what ``_maybe_compute_loss`` checks.
-    """
-    loss_fn, schedule._loss_fn = schedule._loss_fn, None
-    try:
-        yield
-    finally:
-        schedule._loss_fn = loss_fn
-
-
-def reshape_pipeline(schedule: Any) -> None:
-    """Make ``schedule`` infer its stages' activation shapes again at its next ``step`` / ``eval``.
-
-    torch 2.13 infers them (and sizes every receive buffer) on the first call only, and again only on a switch
-    between training and eval: a later batch of another shape would be received into the old buffers.
-    """
-    for prefix in ("_stage", "_stages"):  # single-stage / multi-stage schedules
-        if hasattr(schedule, f"{prefix}_forward_initialized"):
-            setattr(schedule, f"{prefix}_forward_initialized", False)
-            setattr(schedule, f"{prefix}_backward_initialized", False)
-
-
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 

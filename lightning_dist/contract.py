@@ -89,6 +89,12 @@ class ParallelModule(Protocol):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU; may also be a number attribute."""
 
+    def set_loss_chunks(self, chunks: int) -> None:
+        """Compute the output head and the loss in ``chunks`` pieces of the tokens, each recomputed in the backward,
+        so the whole ``(B, T, V)`` logits are never held (``0``: the plain loss); the same loss up to fp32 rounding.
+        Called by the strategy before the model is laid out (``loss_chunks``), so ``pipeline_spec()`` can follow it.
+        """
+
 
 #: The hook names of :class:`ParallelModule`.
 HOOKS: frozenset[str] = frozenset(
@@ -100,6 +106,7 @@ HOOKS: frozenset[str] = frozenset(
         "context_parallel_spec",
         "check_context_parallel",
         "reset_parameters",
+        "set_loss_chunks",
     )
 )
 
@@ -143,6 +150,24 @@ def declared_tp_plan(module: Any, tp: int, options: ParallelOptions) -> TensorPa
             "module, or parallelize it by hand in configure_model."
         )
     return method(sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
+
+
+def configure_loss_chunks(module: Any, chunks: int) -> None:
+    """Tell ``module`` to compute its loss in ``chunks`` pieces (its ``set_loss_chunks``); nothing at ``chunks=0``
+    for a module without the hook.
+
+    Raises:
+        ValueError: ``chunks > 0`` and the module has no ``set_loss_chunks`` (one line).
+    """
+    hook = module_hook(module, "set_loss_chunks")
+    if hook is not None:
+        hook(chunks)
+    elif chunks:
+        raise ValueError(
+            f"loss_chunks={chunks} but {type(module).__name__} has no set_loss_chunks() to compute its loss in pieces "
+            "(the built-in GPT and HFCausalLM have one); define it (see lightning_dist.contract.ParallelModule) or "
+            "set loss_chunks=0."
+        )
 
 
 def declared_cp_spec(module: Any, cp: int) -> ContextParallelSpec | None:

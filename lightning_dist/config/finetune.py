@@ -38,6 +38,12 @@ def check_finetune(cfg: Any) -> None:
     lora = getattr(cfg.model, "lora", None)
     if lora is not None:
         check_lora(lora, cfg.cluster.accelerator)
+        if lora.enabled and cfg.parallelism.float8 != "off":
+            # float8 would convert the frozen base layers and the adapters alike: not checked against one process.
+            raise ValueError(
+                f"model.lora with parallelism.float8={cfg.parallelism.float8}: float8 LoRA is not supported (it would "
+                "convert the adapters too); set parallelism.float8=off."
+            )
     if cfg.checkpoint.save_hf:
         check_save_hf(cfg.model)
     if cfg.eval.tasks:

@@ -90,3 +90,10 @@ class ParallelismConfig:
     reduce_dtype: str | None = None
     """FSDP2 layouts: reduce gradients in fp32 or bf16 (half the bytes, rounded sums); null = fp32 under mixed
     precision, else the parameters' dtype."""
+    float8: str = "off"
+    """float8 training of the blocks' linear layers (torchao, pip install 'lightning-dist[float8]'): tensorwise (one
+    scale per tensor; FSDP2 all-gathers the weights in float8), rowwise (one scale per row) or off. Emulated where
+    the GPU has no float8 matmuls (and on CPU); checkpoints keep the parameters' dtype."""
+    loss_chunks: int = 0
+    """Compute the head and the cross-entropy in this many pieces of the tokens, each recomputed in the backward:
+    the (B, T, vocab) logits are never held whole (1/n of their memory, one more head matmul); 0 = off."""

@@ -102,6 +102,9 @@ class HardwareConfig:
     """Shown in the plan."""
     peak_tflops: float = 989.4
     """Dense bf16 TFLOP/s of one device."""
+    float8_tflops: float | None = None
+    """Dense float8 TFLOP/s (parallelism.float8); None = 2 x peak_tflops (H100, H200, B200); 0 = no float8 matmuls
+    (A100: torchao would emulate them)."""
     memory_gib: float = 79.6
     """Device memory as CUDA reports it."""
     gpus_per_node: int = 8

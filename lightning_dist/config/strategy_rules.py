@@ -3,6 +3,8 @@ message names the strategy and the fix rather than a world-size mismatch."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from lightning_dist.config.schema import ParallelismConfig
 from lightning_dist.parallel.options import resolve_cp_attention
 
@@ -51,6 +53,11 @@ def check_strategy_can_do(par: ParallelismConfig, accelerator: str = "cpu") -> N
         raise ValueError(
             f"parallelism.reduce_dtype={par.reduce_dtype} is for FSDP2 layouts; parallelism=ddp compresses with "
             "parallelism.ddp_comm_hook=bf16 (or fp16, powersgd)."
+        )
+    if par.float8 != "off" and importlib.util.find_spec("torchao") is None:  # found, not imported (start-up)
+        raise ValueError(
+            f"parallelism.float8={par.float8} needs torchao; pip install 'lightning-dist[float8]', or set "
+            "parallelism.float8=off."
         )
     cannot = CANNOT_DO[par.strategy]
     bad = [axis for axis in cannot if getattr(par, axis) > 1]

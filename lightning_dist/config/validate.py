@@ -170,6 +170,8 @@ def options_of(cfg: TrainConfig) -> ParallelOptions:
             cp_rotate=par.cp_rotate,
             ddp_comm_hook=par.ddp_comm_hook,
             reduce_dtype=par.reduce_dtype,
+            float8=par.float8,
+            loss_chunks=par.loss_chunks,
             **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},
         )
     except ValueError as err:  # the same message, named as the config field
@@ -201,7 +203,8 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         _check_context_parallel(cfg, dims, gpt)
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
-        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family)
+        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family,
+                     cfg.parallelism.loss_chunks)  # fmt: skip
     if not dims.pp_enabled:
         return
     num_stages = dims.pp * par.stages_per_rank
@@ -210,6 +213,11 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         raise ValueError(
             f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
             f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
+        )
+    if par.loss_chunks and isinstance(cfg.model, HFModelConfig):
+        raise ValueError(
+            f"parallelism.loss_chunks={par.loss_chunks} with parallelism.pp={dims.pp}: HFCausalLM's stages apply the "
+            "head themselves (the chunked loss runs under pp for the built-in GPT); set parallelism.loss_chunks=0."
         )
     if gpt and cfg.model.tie_embeddings and dims.tp_enabled:
         raise ValueError(

@@ -308,14 +308,16 @@ class GPT(nn.Module):
                 value = torch.nn.init.normal_(torch.empty(param.shape, device="cpu"), 0.0, std, generator=generator)
             param.copy_(value.to(device=param.device, dtype=param.dtype))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, logits: bool = True) -> Tensor:
         """Run the (remaining) model.
 
         Args:
             x: Token ids (B, T) long when ``tok_emb`` is present, else hidden states (B, T, C).
+            logits: Apply ``head``; ``False`` returns the final normalized hidden states instead, for a loss that
+                applies the head itself (``models/loss.py: chunked_token_loss``, which never builds all the logits).
 
         Returns:
-            Logits (B, T, V) when ``head`` is present, else hidden states (B, T, C).
+            Logits (B, T, V) when ``head`` is present (and ``logits``), else hidden states (B, T, C).
         """
         T = x.shape[1]
         if self.config.max_seq_len < T:
@@ -328,7 +330,7 @@ class GPT(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin)  # (B, T, C)
         if self.norm is not None:
             x = self.norm(x)  # (B, T, C)
-        if self.head is not None:
+        if self.head is not None and logits:
             x = self.head(x)  # (B, T, V)
         return x
 

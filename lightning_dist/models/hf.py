@@ -32,6 +32,7 @@ from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
+from lightning_dist.models.hf_loss import hf_chunked_loss
 from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
 from lightning_dist.models.lora import apply_lora, init_lora
@@ -152,6 +153,7 @@ class HFCausalLM(pl.LightningModule):
         self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams, logger=False)
         self.step_loss = StepLoss()
         self._nonembedding_params: int | None = None
+        self.loss_chunks = 0  # the head and loss in this many pieces of the tokens (set_loss_chunks); 0 = whole
         if built and self.lora is not None:  # a built model keeps its values; its adapters get theirs
             apply_lora(model, self.lora, hf_layout(model).blocks)
             init_lora(model, init_seed)
@@ -196,8 +198,22 @@ class HFCausalLM(pl.LightningModule):
     def compute_loss(self, batch: Any) -> Tensor:
         """The loss of one batch. No KV cache: a recomputed layer (activation checkpointing) would append to it."""
         inputs, targets, *loss_kwargs = split_causal_batch(batch)
+        kwargs = loss_kwargs[0] if loss_kwargs else {}
+        if self.loss_chunks:  # the head and loss in pieces of the tokens (models/hf_loss.py)
+            return hf_chunked_loss(self.model, inputs, targets, self.loss_chunks, **kwargs)
         logits = self.model(input_ids=inputs, use_cache=False).logits
-        return causal_lm_loss(logits, targets, **(loss_kwargs[0] if loss_kwargs else {}))
+        return causal_lm_loss(logits, targets, **kwargs)
+
+    def set_loss_chunks(self, chunks: int) -> None:
+        """The head and loss in ``chunks`` pieces of the tokens, recomputed in the backward (0: whole); not under pp.
+
+        Raises:
+            ValueError: The family matrix does not vouch for the chunked loss of this family (one line).
+        """
+        if chunks > 0:
+            start = None if self._built else "init" if self.random_init else "pretrained"
+            check_family(self.hf_model_config, {}, start, self.allow_untested_family, loss_chunks=chunks)
+        self.loss_chunks = chunks
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)

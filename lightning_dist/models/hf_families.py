@@ -2,8 +2,9 @@
 
 ``hf_families.json`` (beside this file) is written by ``tests/support/hf_matrix.py`` from what the installed
 transformers provides: for every decoder-only causal-LM family, whether lightning-dist's meta-device build equals
-transformers' (``init``), whether transformers' saved weights give transformers' first loss (``pretrained``), and
-whether 4 steps under fsdp2 / tp2 / pp2 / cp2 equal one process. A family is run only where its cell is ``exact``; any
+transformers' (``init``), whether transformers' saved weights give transformers' first loss (``pretrained``), whether
+the chunked loss equals the plain one (``chunked``), and whether 4 steps under fsdp2 / tp2 / pp2 / cp2 equal one
+process. A family is run only where its cell is ``exact``; any
 other cell is the reason it is refused, in one line, before a process starts. A family the matrix does not list
 (a newer transformers) is refused too, unless ``model.allow_untested_family=true``. ``docs/reference/hf-families.md``
 shows the same table. Torch-free: the launcher reads it.
@@ -31,7 +32,9 @@ def family_matrix() -> dict[str, Any]:
     return json.loads(MATRIX.read_text())
 
 
-def check_family(config: Any, degrees: dict[str, int], start: str | None, allow_untested: bool = False) -> None:
+def check_family(
+    config: Any, degrees: dict[str, int], start: str | None, allow_untested: bool = False, loss_chunks: int = 0
+) -> None:
     """Refuse, in one line, a family / layout the matrix does not vouch for.
 
     Args:
@@ -40,6 +43,7 @@ def check_family(config: Any, degrees: dict[str, int], start: str | None, allow_
         start: ``"init"`` (a model built from its config, initialized here), ``"pretrained"`` (saved weights read
             into it), or ``None`` (a model built by the user: its values are kept).
         allow_untested: Run a family the matrix does not list (``model.allow_untested_family``).
+        loss_chunks: ``parallelism.loss_chunks``: above 0, the chunked loss's cell is checked too.
 
     Raises:
         ValueError: The family, under this layout, is not ``exact`` in the matrix (or is not in it).
@@ -61,6 +65,8 @@ def check_family(config: Any, degrees: dict[str, int], start: str | None, allow_
     checks = [(start, names[start])] if start is not None else []
     checks += [(column, f"parallelism.{axis}={degrees[axis]}") for axis, column in AXIS_COLUMNS.items()
                if degrees.get(axis, 1) > 1]  # fmt: skip
+    if loss_chunks > 0:
+        checks.append(("chunked", f"parallelism.loss_chunks={loss_chunks}"))
     for column, what in checks:
         cell = row.get(column, "not checked")
         if cell != "exact":

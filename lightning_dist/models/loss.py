@@ -15,10 +15,13 @@ The pair travels as integers because a precision plugin (``bf16-true``) casts a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 #: The target of a token without loss (``F.cross_entropy``'s default ``ignore_index``).
 IGNORE_INDEX = -100
@@ -54,3 +57,56 @@ def split_token_batch(batch: Any) -> tuple[Any, Tensor] | tuple[Any, Tensor, dic
     raise ValueError(
         f"a batch of {type(batch).__name__} is not a token batch; give (inputs, targets) or (inputs, targets, norm)"
     )
+
+
+def chunked_token_loss(
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    targets: Tensor,
+    chunks: int,
+    scale: Tensor | None = None,
+    logits_fn: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """:func:`token_loss` of ``logits_fn(head(hidden))`` without ever holding the whole ``(B, T, V)`` logits.
+
+    The ``B x T`` tokens are cut into ``chunks`` pieces; each piece's logits and cross-entropy (summed, fp32) are
+    computed under ``torch.utils.checkpoint``, which keeps only the piece's hidden states (views of ``hidden``, which
+    the head keeps anyway) and recomputes its logits in the backward, one piece at a time. So the loss's peak holds
+    one piece's logits, ``1 / chunks`` of the plain loss's (``lightning_dist/plan/memory.py``), for one more head matmul
+    per token in the backward. The pieces' sums are added and normalized as :func:`token_loss` does (the mean over the
+    targets that are not ``-100``, or ``sum * scale / B``): the same value up to the order of an fp32 sum.
+
+    Args:
+        hidden: The final (normalized) hidden states, ``(B, T, C)``; a sequence-sharded DTensor (tensor parallelism
+            with sequence parallelism) is gathered once, as the head's own input hook would.
+        head: The output head (a module or function of ``(N, C)`` to ``(N, V)``), applied to each piece; under
+            tensor parallelism its vocabulary-sharded output goes into loss parallelism's cross-entropy.
+        targets: ``(B, T)`` token ids, ``-100`` where no loss is taken.
+        chunks: Pieces of the ``B x T`` tokens (>= 1; more pieces: less memory, the same number of FLOPs).
+        scale: As in :func:`token_loss`: the step's ``G / N`` of masked data, else ``None``.
+        logits_fn: Applied to each piece's logits before the loss (a model's logit scaling or soft-capping).
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be >= 1 (pieces of the tokens the loss computes one at a time).")
+    if isinstance(hidden, DTensor) and not all(p.is_replicate() for p in hidden.placements):
+        # Each tp rank needs every token for its vocabulary columns: gather the sequence once, not once per piece.
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    flat, labels = hidden.flatten(0, 1), targets.flatten()  # (B*T, C), (B*T,)
+    size = -(-labels.shape[0] // chunks)
+    total = sum(
+        checkpoint(_piece_loss, piece, piece_labels, head, logits_fn, use_reentrant=False, preserve_rng_state=False)
+        for piece, piece_labels in zip(flat.split(size), labels.split(size))
+    )
+    if scale is None:
+        return total / (labels != IGNORE_INDEX).sum()
+    return total * (scale.reshape(-1)[0] / targets.shape[0])
+
+
+def _piece_loss(
+    hidden: Tensor, targets: Tensor, head: Callable[[Tensor], Tensor], logits_fn: Callable[[Tensor], Tensor] | None
+) -> Tensor:
+    """The summed fp32 cross-entropy of one piece of the tokens: ``hidden`` (N, C), ``targets`` (N,)."""
+    logits = head(hidden)  # (N, V), or its vocabulary shard under tensor parallelism
+    if logits_fn is not None:
+        logits = logits_fn(logits)
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -24,7 +24,7 @@ from lightning_dist.models.gpt_parallel import (
     gpt_tensor_parallel_plan,
 )
 from lightning_dist.models.lora import apply_lora, init_lora
-from lightning_dist.models.loss import split_token_batch, token_loss
+from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
@@ -53,6 +53,7 @@ class GPTModule(pl.LightningModule):
         hparams = {"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps}
         self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams)
         self.model: GPT | None = None
+        self.loss_chunks = 0  # the head and loss in this many pieces of the tokens (set_loss_chunks); 0 = whole
         self.val_loss = MeanMetric()
         self.val_ppl = CompositionalMetric(torch.exp, self.val_loss, None)  # exp of val_loss's (cached) result
         self.step_loss = StepLoss()
@@ -86,7 +87,22 @@ class GPTModule(pl.LightningModule):
     def compute_loss(self, batch: tuple[Tensor, ...]) -> Tensor:
         """The loss of ``(inputs, targets)`` or of a masked ``(inputs, targets, norm)`` batch."""
         inputs, targets, *loss_kwargs = split_token_batch(batch)
-        return self.loss_fn(self.model(inputs), targets, **(loss_kwargs[0] if loss_kwargs else {}))
+        kwargs = loss_kwargs[0] if loss_kwargs else {}
+        if self.loss_chunks:
+            return self.chunked_loss(self.model(inputs, logits=False), targets, **kwargs)
+        return self.loss_fn(self.model(inputs), targets, **kwargs)
+
+    def set_loss_chunks(self, chunks: int) -> None:
+        """Compute the head and the loss in ``chunks`` pieces of the tokens, each recomputed in the backward, so the
+        ``(B, T, V)`` logits are never held whole (``0``: the plain loss). The same loss up to fp32 rounding."""
+        if chunks < 0:
+            raise ValueError(f"loss_chunks={chunks} must be >= 0 (0 = the whole logits at once).")
+        self.loss_chunks = chunks
+
+    def chunked_loss(self, hidden: Tensor, targets: Tensor, scale: Tensor | None = None) -> Tensor:
+        """:meth:`loss_fn` from the final hidden states ``(B, T, C)``, the head applied piece by piece
+        (``lightning_dist/models/loss.py: chunked_token_loss``)."""
+        return chunked_token_loss(hidden, self.model.head, targets, self.loss_chunks, scale)
 
     # -------------------------------------------------------------------------------------------- lightning
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -121,13 +137,16 @@ class GPTModule(pl.LightningModule):
 
     def pipeline_spec(self) -> PipelineSpec:
         """How a pipeline splits the GPT: ``model.layers`` are the blocks, embeddings first, norm and head last."""
+        chunked = self.loss_chunks > 0  # the last stage returns hidden states; the loss applies the head in pieces
         return PipelineSpec(
             model_attr="model",
             blocks_attr="layers",
             first=("tok_emb", "pos_emb"),
             last=("norm", "head"),
-            loss_fn=self.loss_fn,
+            loss_fn=self.chunked_loss if chunked else self.loss_fn,
             split_batch=split_token_batch,
+            stage_forward=_hidden_states_forward if chunked else None,
+            head="head" if chunked else None,
         )
 
     def check_tensor_parallel(self, tp: int, sequence_parallel: bool = True) -> None:
@@ -154,6 +173,11 @@ class GPTModule(pl.LightningModule):
         # Trained by epochs (max_steps=-1): the schedule spans the steps Lightning counts for them.
         length = self.max_steps if self.max_steps > 0 else self.trainer.estimated_stepping_batches
         return adamw_with_schedule(self.named_parameters(), cfg, is_embedding, cfg.decay_steps or int(length))
+
+
+def _hidden_states_forward(stage: GPT, x: Tensor) -> Tensor:
+    """A pipeline stage of the GPT that leaves the head to the chunked loss: its final hidden states, not logits."""
+    return GPT.forward(stage, x, logits=False)
 
 
 class StepLoss:

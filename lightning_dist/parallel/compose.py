@@ -11,6 +11,7 @@ from torch import nn
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.context import ContextParallelSpec, apply_context_parallel
 from lightning_dist.parallel.data import apply_fsdp
+from lightning_dist.parallel.float8 import apply_float8, check_float8_collectives, float8_tp_styles
 from lightning_dist.parallel.lora import adapter_plan
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, expand_plan
@@ -29,7 +30,8 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> Parallelized:
-    """Apply TP, CP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a model).
+    """Apply float8, TP, CP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a
+    model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
     applies to both. Weights tied before stay tied after, or it raises.
@@ -37,25 +39,30 @@ def parallelize(
     Args:
         module: The module to parallelize; plan patterns are relative to it.
         dims: The layout; its mesh must be built.
-        options: How each axis works: the cp attention, activation checkpointing, compile and CPU offload are read
-            here.
+        options: How each axis works: float8, the cp attention, activation checkpointing, compile and CPU offload
+            are read here.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
         cp_spec: The module's attention functions and position tables; required when ``dims.cp > 1``.
-        fsdp_units: The model's blocks, in execution order: activation checkpointing applies to them, and FSDP2
-            wraps each as its own unit.
+        fsdp_units: The model's blocks, in execution order: float8 converts their linear layers, activation
+            checkpointing applies to them, and FSDP2 wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
             ``module`` holding parameters outside the units (a LightningModule itself is never wrapped).
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
     Returns:
-        What was applied: the tensor-parallel style of each module, the context-parallel attention, and the FSDP2
-        units by name.
+        What was applied: the tensor-parallel style of each module, the context-parallel attention, float8, and
+        the FSDP2 units by name.
     """
     mesh = dims.mesh
     ties = shared_parameters(module)
     applied: dict[str, str] = {}
-    # 1. Tensor parallelism first: it turns weights into DTensors on the tp axis, which FSDP2 then shards
+    # 0. float8 first (torchtitan's order): the blocks' nn.Linear become torchao's Float8Linear, which TP shards with
+    #    its float8 styles and FSDP2 all-gathers in float8 (tensorwise); their weights stay the high-precision ones.
+    float8 = ""
+    if options.float8 != "off":
+        float8 = apply_float8(fsdp_units, options.float8, mesh.device_type, fsdp=dims.dp_cp_enabled)
+    # 1. Tensor parallelism: it turns weights into DTensors on the tp axis, which FSDP2 then shards
     #    further along dp (a 2-D DTensor). FSDP2 cannot be undone to let TP go second.
     if dims.tp_enabled:
         if not tp_plan:
@@ -63,8 +70,12 @@ def parallelize(
                 f"tp={dims.tp} needs a tensor-parallel plan: pass plan= to the strategy or define "
                 "tensor_parallel_plan() on the LightningModule."
             )
+        styles = expand_plan(module, tp_plan)
+        if options.float8 != "off":
+            check_float8_collectives(options, mesh["tp"])
+            styles = float8_tp_styles(module, styles, options.float8)
         # Low-rank adapters (LoRA) take the styles their base layer's style implies (parallel/lora.py).
-        applied = apply_tensor_parallel(module, mesh["tp"], adapter_plan(module, expand_plan(module, tp_plan)))
+        applied = apply_tensor_parallel(module, mesh["tp"], adapter_plan(module, styles))
         retie(module, ties)
     # 1b. Context parallelism: it changes no parameter (only the attention function and the position tables), so
     #     it composes with TP in either order; before compile, so the compiled blocks call the cp attention.
@@ -109,7 +120,7 @@ def parallelize(
             group = unit if isinstance(unit, list) else [unit]
             wrapped.append(" + ".join(names.get(id(m), "") or "(root)" for m in group))
     check_ties_kept(module, ties)
-    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped), context=context)
+    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped), context=context, float8=float8)
 
 
 def data_parallel_axes(dims: ParallelDims, options: ParallelOptions) -> tuple[str, ...]:
@@ -128,6 +139,8 @@ class Parallelized:
     """The FSDP2 units, in the order they were wrapped (``"a + b"``: modules sharing a parameter, one unit)."""
     context: str = ""
     """What context parallelism runs, in words; empty at ``cp=1``."""
+    float8: str = ""
+    """What float8 training runs (recipe, converted layers), in words; empty without it."""
 
 
 def apply_block_options(blocks: Sequence[nn.Module], options: ParallelOptions) -> None:
@@ -139,14 +152,16 @@ def apply_block_options(blocks: Sequence[nn.Module], options: ParallelOptions) -
 
 
 def compile_blocks(blocks: Sequence[nn.Module]) -> None:
-    """``torch.compile`` each block in place (the default inductor backend: C++ / OpenMP on CPU, Triton on GPU)."""
+    """``torch.compile`` each block in place (the default inductor backend: C++ / OpenMP on CPU, Triton on GPU), as
+    one whole graph (``fullgraph=True``: a graph break in a block is an error, not a silent slow path): regional
+    compilation, one graph shared by every block of the same code and shapes."""
     if not blocks:
         raise ValueError(
             "compile=true compiles the model's blocks one by one: define pipeline_spec() on the module (its "
             "blocks_attr names them), or set compile=false."
         )
     for block in blocks:
-        block.compile()
+        block.compile(fullgraph=True)
 
 
 def shared_parameters(module: nn.Module) -> list[list[str]]:

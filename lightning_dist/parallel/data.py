@@ -37,7 +37,7 @@ def apply_fsdp(
         dp_mesh: 1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP / replication.
         param_dtype: Compute dtype of the gathered parameters (bf16 for mixed precision); gradients are
             reduced in float32.
-        reshard_after_forward: Free gathered parameters after forward (except the last unit's). Pipeline
+        reshard_after_forward: Free gathered parameters after forward (except the last unit's and root's). Pipeline
             parallelism passes ``False`` so microbatches do not all-gather the same parameters again.
         reduce_dtype: The dtype gradients are reduced in; ``None`` = float32 under ``param_dtype``, else the
             parameters' own.
@@ -55,8 +55,12 @@ def apply_fsdp(
         # again at once (torchtitan's default too). Memory stays the same at the peak, where both hold it.
         last = index == len(units) - 1
         fully_shard(unit, reshard_after_forward=reshard_after_forward and not last, **options)
-    for root in roots:
-        fully_shard(root, reshard_after_forward=reshard_after_forward, **options)
+    roots = list(roots)
+    for index, root in enumerate(roots):
+        # The last root (the one holding the head) too: its backward comes first, and a loss that applies the head
+        # after the model's forward (models/loss.py: chunked_token_loss) needs it gathered then.
+        last = index == len(roots) - 1
+        fully_shard(root, reshard_after_forward=reshard_after_forward and not last, **options)
 
 
 def param_dtype_of(precision: str) -> torch.dtype | None:

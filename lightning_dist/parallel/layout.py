@@ -28,6 +28,7 @@ class RankLayout:
         fsdp_units: The FSDP2 units, in the order they were wrapped; empty without data parallelism.
         context: What context parallelism runs (the sequence split and the attention across cp), in words; empty at
             ``cp=1``.
+        float8: What float8 training runs (the recipe and the converted layers), in words; empty without it.
         sync: How its ``dp_replicate`` replicas agree when not every step (``DiLoCo over dp_replicate: H=50 ...``);
             empty for gradients averaged every step.
         parallelized_by: ``"lightning-dist"``, or ``"configure_model"`` when the module laid itself out (its DTensor
@@ -41,6 +42,7 @@ class RankLayout:
     tp_styles: dict[str, str] = field(default_factory=dict)
     fsdp_units: tuple[str, ...] = ()
     context: str = ""
+    float8: str = ""
     sync: str = ""
     parallelized_by: str = "lightning-dist"
 
@@ -72,6 +74,8 @@ class RankLayout:
                 out.append(f"  {style}: {_abbreviate(names)}")
         if self.context:
             out.append(f"  {self.context}")
+        if self.float8:
+            out.append(f"  {self.float8}")
         if self.fsdp_units:
             out.append(f"  FSDP2 units ({len(self.fsdp_units)}): {_abbreviate(list(self.fsdp_units))}")
         return out

@@ -42,6 +42,9 @@ TP_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_gather_output", "co
                   "rowwise_rep", "embedding_rowwise", "replicated_with_grad_allreduce")  # fmt: skip
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
+#: float8 training of the blocks' linear layers (torchao; :mod:`lightning_dist.parallel.float8`): one scale per
+#: tensor (its FSDP2 all-gather in float8 too), one per row, or none.
+FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -90,6 +93,13 @@ class ParallelOptions:
             on DTensors) or ``auto`` (``torch`` on CUDA, else ``allgather``); see :func:`resolve_cp_attention`.
         cp_rotate: CP, torch's ring attention: keys and values reach the other cp ranks by one ``allgather`` or by
             ``alltoall`` (``cp - 1`` ring steps); ``allgather`` only with ``cp_attention=allgather``.
+        float8: The blocks' linear layers train in float8 (torchao's ``Float8Linear``; the embeddings and the head
+            stay as they are): ``tensorwise`` (one dynamic scale per tensor; under FSDP2 the weights are all-gathered
+            in float8, under TP torchao's float8 styles), ``rowwise`` (one scale per row: closer to bf16, slower) or
+            ``off``. Emulated off CUDA SM 8.9+ (the same numbers, no speed-up). Parameters, gradients, optimizer
+            state and checkpoints keep their dtype: a float8 run resumes without it and back.
+        loss_chunks: Compute the output head and the loss in this many pieces of the tokens, each recomputed in the
+            backward, so the whole ``(B, T, V)`` logits are never held (the module's ``set_loss_chunks``); 0 = off.
 
     The precision policy is not here: Lightning's ``Trainer(precision=...)`` is its one source, and the strategy
     derives FSDP2's compute dtype from it.
@@ -126,6 +136,8 @@ class ParallelOptions:
     reduce_dtype: str | None = None
     cp_attention: str = "auto"
     cp_rotate: str = "allgather"
+    float8: str = "off"
+    loss_chunks: int = 0
 
     def __post_init__(self) -> None:
         # Canonical forms, so equal options compare equal: a tuple of split points, the schedule's own spelling.
@@ -153,6 +165,10 @@ class ParallelOptions:
                 f"cp_rotate={self.cp_rotate} is for torch's ring attention but cp_attention=allgather runs the "
                 "all-gather one; set cp_attention=torch (or auto on CUDA), or cp_rotate=allgather."
             )
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8={self.float8!r} is unknown; use {', '.join(FLOAT8_RECIPES)}.")
+        if self.loss_chunks < 0:
+            raise ValueError(f"loss_chunks={self.loss_chunks} must be >= 0 (0 = the plain loss, whole logits).")
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype!r} is unknown; use {', '.join(REDUCE_DTYPES)} or null (automatic)."

@@ -14,7 +14,6 @@ drives it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,9 @@ class PipelineSpec:
         stage_forward: ``stage_forward(stage_model, *inputs) -> Tensor`` run by each stage instead of the model's
             own ``forward`` (for models whose ``forward`` cannot skip the parts a stage lacks, e.g. HF's); ``None``
             = the model's ``forward``, which must then follow the stage contract (see ``ParallelModule``).
+        head: Name of a ``last`` part that ``loss_fn`` applies itself rather than the last stage (a loss that never
+            builds the whole logits: the stage returns the hidden states before it); calling the pipelined model
+            outside a loss (validation / predict code) applies it to them, so the model's output is the same.
     """
 
     model_attr: str
@@ -63,6 +65,7 @@ class PipelineSpec:
     loss_fn: Callable[..., Tensor] | None = None
     split_batch: Callable[[Any], tuple[Any, ...]] | None = None
     stage_forward: Callable[..., Tensor] | None = None
+    head: str | None = None
 
     def model(self, module: nn.Module) -> nn.Module:
         """The model to split, read from ``module`` (the LightningModule)."""
@@ -263,18 +266,6 @@ def build_schedule(
     if SCHEDULES[name] == 1:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def check_loss_kwargs(schedule: Any, loss_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``loss_kwargs``, once checked that ``schedule.step`` passes them to the loss (torch 2.13 does; older releases
-    would hand them to the model as inputs)."""
-    if "loss_kwargs" not in inspect.signature(schedule.step).parameters:
-        raise ValueError(
-            f"pipeline_spec().split_batch returned loss keyword arguments {sorted(loss_kwargs)}, which this torch's "
-            f"{type(schedule).__name__}.step() cannot pass to loss_fn (no loss_kwargs parameter); use a torch whose "
-            "pipeline schedules take loss_kwargs (2.13 does), or pp=1."
-        )
-    return loss_kwargs
 
 
 def broadcast_loss(loss: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:

@@ -33,6 +33,7 @@ from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, stage_params
 from lightning_dist.plan.cost_curve import Row, cost_curve, diloco_fields, duration, short
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
+from lightning_dist.plan.savings import option_effects
 from lightning_dist.plan.search import rank
 from lightning_dist.plan.trace import RankTrace, trace_rank
 
@@ -82,8 +83,9 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
         else:
             _print_cost_curve(cfg, rows, float(tokens), price)
         return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
+    fixed = {"float8": cfg.parallelism.float8, "loss_chunks": cfg.parallelism.loss_chunks}  # every layout: the run's
     found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism),
-                 context_parallel)  # fmt: skip
+                 context_parallel, fixed)  # fmt: skip
     if not found:
         raise ValueError(
             f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
@@ -128,6 +130,9 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
         )  # fmt: skip
     console = Console(width=180)
     console.print(table)
+    if shown:
+        for line in option_effects(cfg.model, hw, cfg.data.seq_len, cfg.data.global_batch_size, shown[0]):
+            console.print(f"#1 with {line}")
     _print_device(console, cfg)
 
 

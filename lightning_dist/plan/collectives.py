@@ -6,8 +6,8 @@ measures exactly these numbers (``tests/distributed`` checks it per layout). Wha
 
 - **FSDP2** (any data parallelism under the mesh strategy): per unit (a block; the rest of a stage: embedding,
   final norm, head) an all-gather of its tp-local parameters in the compute dtype, dim 0 padded to a multiple of
-  ``dp_shard``, in the forward and again in the backward of every micro batch (the last block: in the forward
-  only; pipeline stages keep them gathered: one per step); one reduce-scatter of the gradients in the reduce
+  ``dp_shard``, in the forward and again in the backward of every micro batch (the last block and the rest: in the
+  forward only; pipeline stages keep them gathered: one per step); one reduce-scatter of the gradients in the reduce
   dtype; with replicas, one all-reduce of the reduced shard over ``dp_replicate`` (``dp_shard=1``: of the whole
   gradient, no all-gather), except under DiLoCo, whose replicas exchange nothing in an inner step. Under sequence
   parallelism the norm weights' gradients are partial sums over tp: FSDP2 all-reduces each before its
@@ -230,12 +230,18 @@ def step_collectives(
     # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
     partial_bytes = dt.reduce if micro > 1 else dt.compute
     if fsdp:
+        float8 = (
+            lay.options.float8 == "tensorwise"
+        )  # the blocks' linear weights gathered in float8 (parallel/float8.py)
         for index, tensors_ in enumerate(unit_tensors):
-            # The last block stays gathered from its forward to its backward (parallel/data.py: apply_fsdp).
-            gathers = 1 if pp > 1 else micro if index == blocks - 1 else 2 * micro
+            # The last block and the root (embedding, norm, head) stay gathered from their forward to their backward
+            # (parallel/data.py: apply_fsdp).
+            gathers = 1 if pp > 1 else micro if index >= blocks - 1 else 2 * micro
             padded = sum(t.padded(shard) for t in tensors_)
+            in_float8 = sum(t.padded(shard) for t in tensors_ if t.rest > 1) if float8 and index < blocks else 0
             if shard > 1:
-                add(shard_axis, "all_gather", padded * dt.compute, gathers, "FSDP2 parameters")
+                size = (padded - in_float8) * dt.compute + in_float8
+                add(shard_axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
                 add(shard_axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
             if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
                 add("dp_replicate", "all_reduce", padded // shard * dt.reduce, 1, "FSDP2 gradients over replicas")

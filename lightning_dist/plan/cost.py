@@ -20,7 +20,7 @@ from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import AXES, DP_CP, DP_SHARD_CP
 from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
 from lightning_dist.plan.layout import Layout, layer_params, stage_split
-from lightning_dist.plan.memory import GIB, MemoryEstimate, block_params, estimate_memory
+from lightning_dist.plan.memory import GIB, MemoryEstimate, block_linear_params, block_params, estimate_memory
 from lightning_dist.telemetry.comm import BUS_FACTORS
 
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -35,6 +35,8 @@ REFERENCE_MEMORY_TBPS = 3.35
 #: fusion took 13.6% (8 GPUs: 5,762 -> 6,667 tokens/s) and 14.0% (128 GPUs) off the eager step, 0.138 there, 0.103
 #: once that share runs at 3.35 TB/s (0.138 x 2.4/3.35 of a step of 1 - 0.138 + 0.138 x 2.4/3.35).
 MEMORY_BOUND_SHARE = 0.103
+#: Bytes moved per element float8 casts (bf16 read for the amax, read again, float8 written).
+FLOAT8_CAST_BYTES = 5
 #: Host memory traffic per rank (GB/s) of DiLoCo's outer step: pageable copies of the fp32 backup over PCIe and
 #: the CPU's Nesterov SGD on it (parallel/diloco.py keeps both on the host). A stated guess, not a measurement.
 HOST_GBPS = 20.0
@@ -68,6 +70,13 @@ ASSUMPTIONS = [
     "2 (n-1)/n payloads per rank), shown per step as the cycle's bytes / H; "
     f"exposed unless delayed (tau > 0: hidden under tau inner steps), plus host work at {HOST_GBPS:g} GB/s "
     f"({HOST_BYTES_PER_ELEMENT} bytes per element: backup copies and the CPU's outer SGD)",
+    "float8 (parallelism.float8): the blocks' linear matmuls (forward and both backward ones) at "
+    "hardware.float8_tflops (2x the bf16 peak by default), the rest at the bf16 peak; the casts of their inputs "
+    "(twice) and output gradients at hardware.memory_tbps, 5 bytes per element (torchao's amax all-reduces not "
+    "counted; torchtitan measures 1.2-1.5x on H100s); tensorwise gathers the converted weights in float8 (1 byte); "
+    "activations unchanged (torchao saves high-precision inputs)",
+    "loss_chunks=n: one piece of 1/n of the tokens holds logits at a time (10 bytes per logit, recomputed in the "
+    "backward: one more head matmul per token, 2 V d FLOPs, counted)",
 ]
 
 
@@ -143,9 +152,10 @@ def estimate(
         * tokens
         / lay.world
         * recompute_factor(cfg, lay, seq_len)
+        * precision_factor(cfg, lay, hw, seq_len)
         / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
         * memory_factor(hw)
-    )
+    ) + float8_cast_bytes(cfg, lay) * tokens / lay.world / (hw.memory_tbps * 1e12)
 
     dtypes = Dtypes.of(precision)
     blocks = math.ceil(cfg.n_layers / lay.pp)
@@ -243,6 +253,41 @@ def recompute_factor(cfg: GPTConfig, layout: Layout, seq_len: int) -> float:
         again = 2 * cfg.n_layers * (h * cfg.kv_heads * hd + cfg.n_heads * hd * h + h * cfg.hidden_dim)
         factor += again / flops_per_token_of(cfg, seq_len)
     return factor
+
+
+def precision_factor(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len: int) -> float:
+    """Compute time of a step over its bf16 time: float8 runs the blocks' linear matmuls (6 FLOPs per weight and
+    token) at ``hw.float8_tflops``; ``loss_chunks`` adds the head's forward again in the backward (2 V d per token).
+
+    Raises:
+        ValueError: float8 on a device without float8 matmuls (``hw.float8_tflops=0``: torchao would emulate them).
+    """
+    flops = flops_per_token_of(cfg, seq_len)
+    factor = 1.0
+    if layout.options.float8 != "off":
+        float8_tflops = hw.float8_tflops if hw.float8_tflops is not None else 2 * hw.peak_tflops
+        if float8_tflops <= 0:
+            raise ValueError(
+                f"parallelism.float8={layout.options.float8} on {hw.name}, which has no float8 matmuls (torchao would "
+                "emulate them, slower than bf16); set parallelism.float8=off or pick a float8 GPU (hardware=h100_sxm)."
+            )
+        linear = 6 * cfg.n_layers * block_linear_params(cfg)
+        factor -= linear / flops * (1 - hw.peak_tflops / float8_tflops)
+    if layout.options.loss_chunks:
+        factor += 2 * cfg.vocab_size * cfg.d_model / flops
+    return factor
+
+
+def float8_cast_bytes(cfg: GPTConfig, layout: Layout) -> float:
+    """Device memory traffic per token (all blocks) of float8's casts, :data:`FLOAT8_CAST_BYTES` per element cast:
+    each converted matmul's input in the forward and again in the backward (torchao saves it in high precision) and
+    its output gradient; memory-bound kernels, at ``hw.memory_tbps``. 0 without float8."""
+    if layout.options.float8 == "off":
+        return 0.0
+    h, f, hd, kv = cfg.d_model, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, 2 * cfg.kv_heads * cfg.head_dim
+    inputs = 5 * h + hd + f  # q, k, v, gate, up read the block's normed stream; o the attention; down the MLP
+    grads = hd + kv + 2 * h + 2 * f  # the output gradients of q, k + v, o and down, gate and up
+    return FLOAT8_CAST_BYTES * cfg.n_layers * (2 * inputs + grads)
 
 
 def bubble_fraction(layout: Layout) -> float:

@@ -176,6 +176,8 @@ class Layout:
             "sequence_parallel": self.sequence_parallel,
             "loss_parallel": self.loss_parallel,
             "sync": self.sync,
+            "float8": self.options.float8,
+            "loss_chunks": self.options.loss_chunks,
             **(
                 {f"diloco_{key}": getattr(self.options, f"diloco_{key}") for key in DILOCO_FIELDS}
                 if self.diloco
@@ -187,7 +189,9 @@ class Layout:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         degrees = f"pp{self.pp} tp{self.tp}{cp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
         pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
-        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}"
+        extra = (f" float8={self.options.float8}" if self.options.float8 != "off" else "") + (
+            f" loss_chunks={self.options.loss_chunks}" if self.options.loss_chunks else "")  # fmt: skip
+        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}{extra}"
 
     def describe_sync(self) -> str:
         """`` diloco H=50 F=1 tau=0 int8`` under DiLoCo, else ``""``."""

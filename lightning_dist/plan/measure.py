@@ -9,6 +9,7 @@ its base alive). Parameters (FSDP2's gathered ones included) are not activations
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -48,6 +49,52 @@ class SavedBytes:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+class PeakBytes:
+    """The peak bytes of tensor storages created inside the ``with`` block and alive at once (a dispatch mode sees
+    every op's outputs; a weak reference to each storage sees it freed). What existed before (parameters, inputs)
+    is not counted. CPU or CUDA, real tensors; unlike torch's ``MemTracker`` it follows no modules, so a module
+    called several times in one forward (the chunked loss's head) is fine."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+        mode_base = _compat.torch_dispatch_mode()
+        tracker = self
+
+        class _Mode(mode_base):  # type: ignore[misc, valid-type]
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for tensor in out if isinstance(out, (tuple, list)) else (out,):  # aten ops: a tensor or a flat tuple
+                    if isinstance(tensor, torch.Tensor):
+                        tracker.add(tensor.untyped_storage())
+                return out
+
+        self._mode = _Mode()
+
+    def add(self, storage: Any) -> None:
+        """Count ``storage`` as alive until it is freed (once, however many tensors view it)."""
+        key = id(storage)
+        if key in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(key)
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __enter__(self) -> PeakBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
 
 
 def _is_parameter(tensor: torch.Tensor, pointer: int) -> bool:

@@ -23,6 +23,13 @@ Models"), redone for this GPT's layers as torch runs them (a 2-byte bf16 activat
   not assumed: torch's ``MemTracker`` on fake tensors gives 10.5 bytes per logit for an 8B-wide GPT (the peak's change
   with the vocabulary, model states taken off; ``tests/distributed/test_plan_trace.py``). At a 128K vocabulary this
   is the largest single term;
+- with ``loss_chunks=n`` (:func:`lightning_dist.models.loss.chunked_token_loss`) the head and loss run on one
+  ``1 / n`` piece of the tokens at a time, recomputed in the backward: the same bytes per logit for one piece (the
+  piece's logits, their fp32 copy, log-softmax and gradient live only while it is computed). MemTracker on fake tensors
+  (``tests/distributed/test_plan_trace.py``) measures the peak's change with the vocabulary against this;
+- float8 (``parallelism.float8``, torchao) keeps the same activations: its matmuls save their high-precision inputs
+  and cast them again in the backward (saved-tensor hooks on a Llama block: the same bytes per token with and
+  without). Under FSDP2, tensorwise gathers the converted weights in float8 (1 byte per element);
 - a pipeline stage holds its blocks' activations for the microbatches in flight: 1 (no pipeline), ``min(m, pp)`` on
   the first stage of 1F1B-like schedules, all ``m`` for GPipe / LoopedBFS.
 
@@ -156,11 +163,17 @@ def estimate_memory(
         activations += tokens * block_activation_elements(cfg, tp, "none") * ACT_BYTES + extra
     if cp > 1:
         activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
-    logits = int(tokens * cfg.vocab_size / tp * LOGIT_BYTES)
+    chunk = -(-tokens // max(1, options.loss_chunks))  # the tokens whose logits are alive at once
+    logits = int(chunk * cfg.vocab_size / tp * LOGIT_BYTES)
     buffers = 0
     if dp_shard * cp > 1:
-        unit = max(block_params(cfg), 2 * cfg.vocab_size * cfg.d_model) / tp  # a block, or the embedding + head
-        buffers = int(unit * (2 * 2 + 4))
+        # Two gathered units (the current one and the prefetched next: a block, or the embedding + head) and one
+        # unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible).
+        root = 2 * cfg.vocab_size * cfg.d_model / tp
+        linears = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
+        gathered = max((block_params(cfg) - linears) / tp * 2 + linears / tp, root * 2)
+        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(block_params(cfg) / tp, root)
+        buffers = int(2 * gathered + unsharded_grad)
     trainable = local_params
     if cfg.lora.enabled:  # LoRA: gradients and AdamW moments for the adapters only; the base is held frozen
         trainable = int(blocks * lora_block_params(cfg, tp) / (dp_shard * cp))
@@ -223,6 +236,13 @@ def lora_block_params(cfg: GPTConfig, tp: int = 1) -> int:
     chosen = [k for k in layers if targets is None or any(t.rpartition(".")[2] == k for t in targets)]
     r = cfg.lora.rank
     return sum(r * (i + o // tp) if colwise else r * (i // tp + o) for i, o, colwise in (layers[k] for k in chosen))
+
+
+def block_linear_params(cfg: GPTConfig) -> int:
+    """Weights of one block's linear layers (what float8 converts; the llama block's q, k, v, o, gate, up, down)."""
+    h, f = cfg.d_model, cfg.hidden_dim
+    kv = 2 * cfg.kv_heads * cfg.head_dim
+    return h * (h + kv) + h * h + (3 if cfg.arch == "llama" else 2) * h * f
 
 
 def block_params(cfg: GPTConfig) -> int:

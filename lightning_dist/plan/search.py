@@ -31,6 +31,7 @@ def layouts(
     diloco: Mapping[str, Any] | None = None,
     seq_len: int | None = None,
     context_parallel: bool = False,
+    fixed: Mapping[str, Any] | None = None,
 ) -> Iterator[Layout]:
     """Layouts of ``world`` ranks the model and batch allow.
 
@@ -46,7 +47,8 @@ def layouts(
     - activation checkpointing none, selective (op: every matmul output kept; op_half: every other) and full;
     - with replicas, each sync of ``plan.syncs``: every step, or DiLoCo with the run's H, F and tau (``diloco``:
       ``ParallelOptions``' ``diloco_*`` fields) and each of ``plan.diloco_compressions``. H is not searched: it
-      trades quality for speed, and larger always looks faster to a throughput model.
+      trades quality for speed, and larger always looks faster to a throughput model;
+    - ``fixed``: ParallelOptions fields every layout takes as the run sets them (``float8``, ``loss_chunks``).
     """
     syncs = _syncs(plan, diloco)
     for pp in _divisors(world):
@@ -63,7 +65,7 @@ def layouts(
                 per_node = gpus_per_node // inner if pp * inner <= gpus_per_node else 1
                 for replicate, shard in _data_parallel(dp, per_node):
                     yield from _with_options(cfg, ParallelDims(world, replicate, shard, tp, pp, cp),
-                                             global_batch // dp, plan, syncs, diloco)  # fmt: skip
+                                             global_batch // dp, plan, syncs, diloco, fixed or {})  # fmt: skip
 
 
 def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, enabled: bool) -> list[int]:
@@ -74,7 +76,7 @@ def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, e
 
 
 def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanConfig, syncs: list[dict[str, Any]],
-                  diloco: Mapping[str, Any] | None) -> Iterator[Layout]:  # fmt: skip
+                  diloco: Mapping[str, Any] | None, fixed: Mapping[str, Any]) -> Iterator[Layout]:  # fmt: skip
     """Every micro batch, schedule, activation checkpointing and sync of one set of degrees."""
     pp, replicate = dims.pp, dims.dp_replicate
     for micro in plan.micro_batches:
@@ -92,6 +94,7 @@ def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanC
                         activation_checkpointing=ac,
                         ac_selective=selective,
                         **sync,
+                        **fixed,
                     )
                     yield Layout(dims, options, micro, accumulate)
 
@@ -105,13 +108,14 @@ def rank(
     plan: PlanConfig,
     diloco: Mapping[str, Any] | None = None,
     context_parallel: bool = False,
+    fixed: Mapping[str, Any] | None = None,
 ) -> list[Estimate]:
     """Every layout estimated, those that fit first, each group by tokens/s per device (best first; on a tie,
     synchronous before DiLoCo, whose replicas drift apart between outer steps). ``context_parallel``: also search
-    cp (the model is one the cp implementation takes)."""
+    cp (the model is one the cp implementation takes); ``fixed``: options every layout takes (float8, loss_chunks)."""
     found = [estimate(cfg, lay, hw, seq_len, global_batch)
              for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco, seq_len,
-                                context_parallel)]  # fmt: skip
+                                context_parallel, fixed)]  # fmt: skip
     return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.layout.diloco, e.memory.total))
 
 

@@ -14,9 +14,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from typing_extensions import override
 
 from lightning_dist import _compat
-from lightning_dist.contract import declared_blocks
+from lightning_dist.contract import configure_loss_chunks, declared_blocks
 from lightning_dist.parallel.clip import global_grad_norm
 from lightning_dist.parallel.compose import apply_block_options
+from lightning_dist.parallel.float8 import apply_float8
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
@@ -79,9 +80,14 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
         own = is_overridden("configure_gradient_clipping", trainer.lightning_module)
         if trainer.gradient_clip_val is not None and by_norm and not own:
             self._clip_val, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
-        per_block = self.options.compile or self.options.activation_checkpointing != "none"
+        configure_loss_chunks(trainer.lightning_module, self.options.loss_chunks)
+        options = self.options
+        per_block = options.compile or options.activation_checkpointing != "none" or options.float8 != "off"
         if per_block and not self._blocks_done:  # once: a later validate / test reuses the compiled blocks
-            apply_block_options(declared_blocks(trainer.lightning_module), self.options)
+            blocks = declared_blocks(trainer.lightning_module)
+            if options.float8 != "off":  # first, as in every mesh layout (parallel/compose.py)
+                apply_float8(blocks, options.float8, self.root_device.type, fsdp=False)
+            apply_block_options(blocks, options)
             self._blocks_done = True
         super().setup(trainer)  # DDP wraps the model: its hooks stay outside the compiled blocks
 

@@ -28,10 +28,17 @@ from typing_extensions import override
 from lightning_dist import _compat
 from lightning_dist.checkpoint import full
 from lightning_dist.checkpoint import store as checkpoint_io
-from lightning_dist.contract import declared_blocks, declared_cp_spec, declared_tp_plan, module_hook
+from lightning_dist.contract import (
+    configure_loss_chunks,
+    declared_blocks,
+    declared_cp_spec,
+    declared_tp_plan,
+    module_hook,
+)
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.compose import parallelize
 from lightning_dist.parallel.data import param_dtype_of
+from lightning_dist.parallel.float8 import high_precision_state
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import reduce_partial_grads
@@ -229,6 +236,7 @@ class MeshStrategy(
     def parallelize_module(self, module: pl.LightningModule, materialize: bool = True) -> None:
         """Lay ``module`` out over the mesh; ``materialize=False`` leaves it on the meta device (a traced rank)."""
         dims, options = self.parallel_dims, self.options
+        configure_loss_chunks(module, options.loss_chunks)  # before pipeline_spec(): the last stage's output follows
         if any(isinstance(p, DTensor) for p in module.parameters()):
             self._layout = RankLayout.of(dims, self.global_rank, parallelized_by="configure_model")
             return  # parallelized by hand in configure_model
@@ -259,6 +267,8 @@ class MeshStrategy(
         path = Path(self.broadcast(filepath))
         # Lightning's sharded layout; under DiLoCo each replica's own keys and the outer state (see outer_sync.py)
         state = self.with_replica_state(checkpoint_io.sharded_state(checkpoint), checkpoint)
+        if self.options.float8 == "tensorwise":  # plain high-precision tensors, not torchao's float8 weight wrappers
+            state = high_precision_state(state)
         if not self.options.async_save:
             checkpoint_io.save(state, checkpoint, path, self.global_rank)
             return

@@ -116,4 +116,4 @@ def test_the_finetune_recipe_traces_at_full_size_and_fits(tmp_path) -> None:
     estimate = estimate_memory(model, dims, options, local_params=expected, seq_len=cfg.data.seq_len,
                                micro_batch=cfg.data.micro_batch_size)  # fmt: skip
     assert estimate.fits(H100_GIB), estimate.gib()
-    assert estimate.gib()["total"] == pytest.approx(54.8, abs=0.1)  # the number the recipe states
+    assert estimate.gib()["total"] == pytest.approx(45.4, abs=0.1)  # the number the recipe states (loss_chunks=8)

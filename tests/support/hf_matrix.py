@@ -8,6 +8,8 @@ For each family (``hf_tiny.tiny_config``):
   within 25%).
 - ``pretrained``: transformers' model saved with ``save_pretrained`` and read by ``InitWeights`` into a model built
   on the meta device: the first training loss equal to transformers' forward on the same batch (rtol 1e-5).
+- ``chunked``: 4 steps with ``parallelism.loss_chunks=4`` (the head and loss in pieces, whatever the family does to
+  its logits) against the plain loss, in one process.
 - ``fsdp2``, ``tp2``, ``pp2``, ``cp2``: 4 AdamW steps of ``HFCausalLM(config)`` on 2 CPU ranks against the same steps
   in one process, the losses equal (rtol 1e-5).
 
@@ -37,7 +39,9 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "pp2": {"pp": 2, "dp_shard": 1},
     "cp2": {"cp": 2, "dp_shard": 1},
 }
-COLUMNS = ("init", "pretrained", *LAYOUTS)
+#: One-process checks: the meta-device build, the first loss from saved weights, the chunked loss (loss_chunks=4).
+SINGLE = ("init", "pretrained", "chunked")
+COLUMNS = (*SINGLE, *LAYOUTS)
 STEPS, BATCH, SEQ, RTOL = 4, 4, 32, 1e-5
 JSON_PATH = ROOT / "lightning_dist" / "models" / "hf_families.json"
 DOCS_PATH = ROOT / "docs" / "reference" / "hf-families.md"
@@ -55,7 +59,9 @@ def _line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"[:200]
 
 
-def fit_losses(model_type: str, layout: dict[str, int] | None, callbacks: tuple = (), **module_kwargs: Any) -> Any:
+def fit_losses(
+    model_type: str, layout: dict[str, int] | None, callbacks: tuple = (), loss_chunks: int = 0, **module_kwargs: Any
+) -> Any:
     """The losses of ``STEPS`` steps of ``HFCausalLM(tiny config)`` on one process (``layout=None``) or on this
     rank of 2 under ``MeshStrategy(**layout)`` (collectives time out after 2 minutes)."""
     from datetime import timedelta
@@ -75,6 +81,7 @@ def fit_losses(model_type: str, layout: dict[str, int] | None, callbacks: tuple 
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
     module = HFCausalLM(tiny_config(model_type), lr=1e-2, **module_kwargs)
+    module.set_loss_chunks(loss_chunks)
     per_rank = BATCH // (layout or {}).get("dp_shard", 1)
     strategy, devices = ("auto", 1) if layout is None else (MeshStrategy(**layout, timeout=timedelta(minutes=2)), 2)
     trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), *callbacks])
@@ -159,8 +166,13 @@ def _one_process(families: list[str]) -> dict[str, dict[str, Any]]:
     import torch
 
     torch.set_num_threads(1)
-    return {mt: {"init": check_init(mt), "pretrained": check_pretrained(mt), "reference": _losses_or_line(mt, None)}
-            for mt in families}  # fmt: skip
+    found = {}
+    for mt in families:
+        reference = _losses_or_line(mt, None)
+        chunked = verdict(_losses_or_line(mt, None, loss_chunks=4), reference)
+        found[mt] = {"init": check_init(mt), "pretrained": check_pretrained(mt), "chunked": chunked,
+                     "reference": reference}  # fmt: skip
+    return found
 
 
 def _layouts(model_type: str, names: list[str]) -> dict[str, Any]:
@@ -185,7 +197,7 @@ def family_row(model_type: str, one: dict[str, Any]) -> dict[str, Any]:
                 found[name] = launch(_layouts, 2, model_type, [name])[0][name]
             except RankFailedError as err:
                 found[name] = str(err).split(": ", 1)[-1][:200]  # "rank 1: <its one line>"
-    return {"init": one["init"], "pretrained": one["pretrained"],
+    return {**{column: one[column] for column in SINGLE},
             **{name: verdict(found[name], one["reference"]) for name in LAYOUTS}}  # fmt: skip
 
 
@@ -199,22 +211,42 @@ def verdict(losses: Any, reference: Any) -> str:
     return "exact" if worst <= RTOL else f"differs from one process by {worst:.2g} (relative)"
 
 
-def build_matrix(families: list[str]) -> dict[str, Any]:
-    """Every check of every family (:func:`family_row`), printed as each family ends."""
+#: Where a run keeps what it has done, so one that stops (a crash, a kill) goes on from there.
+PROGRESS = Path(tempfile.gettempdir()) / "lightning_dist_hf_matrix_progress.json"
+BATCH_FAMILIES = 20  # one-process checks per launch: what a crash can lose
+
+
+def build_matrix(families: list[str], one_process_only: bool = False) -> dict[str, Any]:
+    """Every check of every family (:func:`family_row`), printed as each family ends; progress kept in
+    :data:`PROGRESS` (delete it to start over)."""
     import torch
     import transformers
-    from hf_tiny import tiny_config
+    from hf_tiny import resolve_classes
 
-    from lightning_dist.models.hf_init import causal_lm_class
+    from lightning_dist.models.hf_families import family_matrix
     from lightning_dist.run.launch import launch
 
-    single = launch(_one_process, 1, families)[0]
-    rows = {}
+    version = transformers.__version__
+    progress = json.loads(PROGRESS.read_text()) if PROGRESS.exists() else {}
+    if progress.get("transformers") != version or progress.get("one_process_only") != one_process_only:
+        progress = {"transformers": version, "one_process_only": one_process_only, "single": {}, "rows": {}}
+    todo = [mt for mt in families if mt not in progress["single"]]
+    for start in range(0, len(todo), BATCH_FAMILIES):
+        progress["single"].update(launch(_one_process, 1, todo[start : start + BATCH_FAMILIES])[0])
+        PROGRESS.write_text(json.dumps(progress))
     for model_type in families:
-        row = family_row(model_type, single[model_type])
-        rows[model_type] = {"class": causal_lm_class(tiny_config(model_type)).__name__, **row}
-        print(model_type, {k: v if v == "exact" else v[:70] for k, v in rows[model_type].items()}, flush=True)
-    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "families": rows}
+        if model_type not in progress["rows"]:
+            one = progress["single"][model_type]
+            if one_process_only:  # the layouts' cells kept from the committed matrix
+                row = {**family_matrix()["families"][model_type], **{c: one[c] for c in SINGLE}}
+            else:
+                row = family_row(model_type, one)
+            progress["rows"][model_type] = {"class": resolve_classes(model_type)[1].__name__, **row}
+            PROGRESS.write_text(json.dumps(progress))
+        row = progress["rows"][model_type]
+        print(model_type, {k: v if v == "exact" else v[:70] for k, v in row.items()}, flush=True)
+    rows = {mt: progress["rows"][mt] for mt in families}
+    return {"transformers": version, "torch": torch.__version__.split("+")[0], "families": rows}
 
 
 def markdown(matrix: dict[str, Any]) -> str:
@@ -252,11 +284,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="model types (default: every decoder-only family)")
     parser.add_argument("--write", action="store_true", help="write the JSON and the docs page")
+    parser.add_argument("--one-process-only", action="store_true", help="redo the one-process columns only")
     args = parser.parse_args()
     families = args.families or decoder_families()
-    matrix = build_matrix(families)
+    matrix = build_matrix(families, args.one_process_only)
     if args.write:
-        if args.families and JSON_PATH.exists():  # update these rows only
+        if (args.families or args.one_process_only) and JSON_PATH.exists():  # update these rows only
             whole = json.loads(JSON_PATH.read_text())
             whole["families"].update(matrix["families"])
             matrix = {**matrix, "families": whole["families"]}

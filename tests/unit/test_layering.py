@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_dist"
 LAYERS: dict[str, int] = {
     "_compat": 0,
     "_compat_hf": 0,
+    "_compat_pipelining": 0,
     "lazy": 0,
     "errors": 0,
     "parallel_dims": 0,
@@ -35,7 +36,7 @@ LAYERS: dict[str, int] = {
 }
 #: Optional dependencies a function may import locally (each such import says why in a comment on its line or above).
 OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich", "safetensors", "tokenizers",
-            "datasets", "wandb", "peft", "lm_eval")  # fmt: skip
+            "datasets", "wandb", "peft", "lm_eval", "torchao")  # fmt: skip
 #: Heavy modules (torch, Lightning, and ours that import them) that a module on the launcher's path imports inside the
 #: one function that needs them: ``lightning-dist-train`` checks a config and starts the ranks without them (its ranks
 #: fork from a server that has them loaded), and only the configs, restarts or ranks that use them pay for them.
@@ -172,7 +173,7 @@ def test_no_import_circles() -> None:
 def test_function_local_imports_are_for_optional_dependencies_only() -> None:
     local: dict[str, None] = {}
     for module, path in _modules().items():
-        if module in ("lightning_dist._compat", "lightning_dist._compat_hf"):
+        if module in ("lightning_dist._compat", "lightning_dist._compat_hf", "lightning_dist._compat_pipelining"):
             continue  # each private API is imported where it is used: a release that moves one breaks only its user
         lines = path.read_text().splitlines()
         for name, line, inner in _imports(path, module):

@@ -50,11 +50,11 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     fsdp = estimate(TINY, Layout.of(4, 1, dp_shard=2), HW, seq, batch)
     params = stage_params(TINY, 1)
     grads = 3 + 2 * 9  # tensors: embedding, norm, head; 9 per block
-    # bf16 gathers (forward + backward; the last block's only in the forward), fp32 reduce-scatter, the stacked
-    # fp32 gradient norms
-    gathered = (2 * params - BLOCK) * 2
+    # bf16 gathers (forward + backward; the last block's and the root's (embedding, norm, head) only in the
+    # forward), fp32 reduce-scatter, the stacked fp32 gradient norms
+    gathered = (params + BLOCK) * 2
     assert fsdp.comm["dp_shard"]["bytes"] == gathered + params * 4 + 4 * grads + loop
-    assert fsdp.comm["dp_shard"]["calls"] == 3 * 3 - 1 + 1 + 3  # 3 units x (2 gathers + 1 reduce), norm, loop (3)
+    assert fsdp.comm["dp_shard"]["calls"] == 3 * 3 - 2 + 1 + 3  # 3 units x (2 gathers + 1 reduce), norm, loop (3)
     bus = (gathered + params * 4) / 2 + 4 * grads + loop  # nccl-tests bus factors on 2 ranks
     assert fsdp.comm["dp_shard"]["seconds"] == pytest.approx(bus / 100e9)
     flops = flops_per_token_of(TINY, seq) * batch * seq / 2  # per rank
