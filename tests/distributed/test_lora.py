@@ -41,7 +41,8 @@ HF_COMMON = [o for o in FAST if not o.startswith("model.")] + [
 LAYOUTS = {
     "one": ["parallelism=fsdp", "cluster.devices=1"],
     "tp2": ["parallelism=tp", "cluster.devices=2"],
-    "fsdp2": ["parallelism=fsdp", "cluster.devices=2"],  # continues tp2's step-2 checkpoint: resharded adapters
+    # fsdp2 continues tp2's step-2 checkpoint (resharded adapters), with the chunked loss (as the 8B recipe)
+    "fsdp2": ["parallelism=fsdp", "cluster.devices=2", "parallelism.loss_chunks=2"],
     "pp2": ["parallelism=pp", "cluster.devices=2"],
     "cp2": ["parallelism=fsdp", "cluster.devices=2", "parallelism.dp_shard=1", "parallelism.cp=2"],
 }
