@@ -98,3 +98,19 @@ def test_a_hub_dataset_id_is_downloaded_and_read_as_a_folder(hub: HubStandIn, tm
     valid = validate(cfg)
     assert (Path(valid.cfg.data.path) / "train" / "part-0.jsonl").is_file()
     assert hub.fetched("part-0.jsonl") == 1
+
+
+def test_lightning_dist_prepare_reads_a_hub_dataset_id(hub: HubStandIn, tmp_path: Path) -> None:
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data import corpus
+    from lightning_dist.run.prepare import prepare
+
+    lines = [f"line {i}" for i in range(20)]
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", lines, vocab_size=280, chat_template=None)
+    prepare(["tiny-org/tiny-corpus"], tmp_path / "out", str(tokenizer), val_fraction=0, num_proc=1)
+    tok = corpus.load_tokenizer(str(tokenizer))
+    expected = [t for line in lines for t in [*tok(line)["input_ids"], tok.eos_token_id]]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
+    assert hub.fetched("part-0.jsonl") == 1
