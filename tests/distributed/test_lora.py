@@ -11,7 +11,6 @@ sequence: its B marked sequence-sharded, its gradient summed over tp).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,24 +48,6 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def family_matrix() -> Iterator[None]:
-    """The family matrix's llama row while the generated ``hf_families.json`` is not in this checkout (it is written
-    by tests/support/hf_matrix.py); removed again afterwards."""
-    from lightning_dist.models import hf_families
-
-    if hf_families.MATRIX.exists():
-        yield
-        return
-    cells = dict.fromkeys(("init", "pretrained", "fsdp2", "tp2", "pp2", "cp2"), "exact")
-    hf_families.MATRIX.write_text(json.dumps({"transformers": transformers.__version__, "families": {"llama": cells}}))
-    try:
-        yield
-    finally:
-        hf_families.MATRIX.unlink()
-        hf_families.family_matrix.cache_clear()
-
-
-@pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("lora") / "tiny-llama"
     torch.manual_seed(0)
@@ -75,7 +56,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(family_matrix: None, pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("runs")
     common = [*HF_COMMON, f"model.pretrained={pretrained}"]
     done: dict[str, dict] = {}

@@ -6,7 +6,6 @@ shards)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,23 +19,6 @@ from lightning_dist.config.validate import validate
 transformers = pytest.importorskip("transformers")
 
 SAVING = ["trainer.max_steps=2", "trainer.enable_checkpointing=true", "checkpoint.save_hf=true"]
-
-
-@pytest.fixture(scope="module")
-def family_matrix() -> Iterator[None]:
-    """The family matrix's llama row while the generated ``hf_families.json`` is not in this checkout."""
-    from lightning_dist.models import hf_families
-
-    if hf_families.MATRIX.exists():
-        yield
-        return
-    cells = dict.fromkeys(("init", "pretrained", "fsdp2", "tp2", "pp2", "cp2"), "exact")
-    hf_families.MATRIX.write_text(json.dumps({"transformers": transformers.__version__, "families": {"llama": cells}}))
-    try:
-        yield
-    finally:
-        hf_families.MATRIX.unlink()
-        hf_families.family_matrix.cache_clear()
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -64,9 +46,7 @@ def test_the_built_in_gpt_under_a_pipeline_writes_a_folder_transformers_loads(tm
     _check(run, tmp_path)
 
 
-def test_a_huggingface_model_under_tensor_parallelism_writes_a_folder_transformers_loads(
-    family_matrix: None, tmp_path: Path
-) -> None:
+def test_a_huggingface_model_under_tensor_parallelism_writes_a_folder_transformers_loads(tmp_path: Path) -> None:
     common = [o for o in FAST if not o.startswith("model.")]
     run = run_app([*common, *SAVING, "model=hf", "model.config=tiny_llama", "parallelism=tp", "cluster.devices=2"],
                   tmp_path / "run")  # fmt: skip

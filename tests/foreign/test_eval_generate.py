@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,23 +42,6 @@ metric_list:
   - metric: perplexity
   - metric: acc
 """
-
-
-@pytest.fixture(scope="module")
-def family_matrix() -> Iterator[None]:
-    """The family matrix's llama row while the generated ``hf_families.json`` is not in this checkout."""
-    from lightning_dist.models import hf_families
-
-    if hf_families.MATRIX.exists():
-        yield
-        return
-    cells = dict.fromkeys(("init", "pretrained", "fsdp2", "tp2", "pp2", "cp2"), "exact")
-    hf_families.MATRIX.write_text(json.dumps({"transformers": transformers.__version__, "families": {"llama": cells}}))
-    try:
-        yield
-    finally:
-        hf_families.MATRIX.unlink()
-        hf_families.family_matrix.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +104,7 @@ def test_lightning_dist_generate_continues_a_prompt_as_transformers_does(
 
 
 def test_a_lora_run_is_evaluated_during_training_and_generates_from_its_folder(
-    family_matrix: None, setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     common = [o for o in FAST if not o.startswith(("model.", "logger=", "data.", "trainer.max_steps"))]
     run = run_app([*common, "model=hf", f"model.pretrained={setup['folder']}", "model.lora.rank=4",

@@ -42,8 +42,6 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("LOCAL_RANK", raising=False)
-        # No layout is run here: the family matrix (hf_families.json, generated) need not be in this checkout.
-        monkeypatch.setenv("LIGHTNING_DIST_GENERATING_FAMILY_MATRIX", "1")
         yield standin
 
 
