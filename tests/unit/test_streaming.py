@@ -1,5 +1,6 @@
 """A streamed corpus (lightning_dist/data/streaming.py): a weighted mixture of sources read as needed, tokenized and
-packed into windows, this rank's share; resumed from its state after any window, it continues exactly."""
+packed into windows, dealt to the ranks as one process's stream; resumed from its state, under the same or another
+number of ranks, it continues exactly."""
 
 from __future__ import annotations
 
@@ -63,9 +64,16 @@ def test_a_resume_continues_the_stream_exactly(setup, stop: int) -> None:
     assert first + rest == whole and len(whole) > stop
 
 
-def test_each_rank_reads_its_own_share(setup) -> None:
-    ranks = [_windows(setup, rank, 2, take=5)[0] for rank in (0, 1)]
-    assert ranks[0] != ranks[1]
-    first, state = _windows(setup, 1, 2, take=3)
-    rest, _ = _windows(setup, 1, 2, state=state, take=2)
-    assert first + rest == ranks[1]
+def test_the_ranks_windows_together_are_one_process_s_and_resume_under_another_world_size(setup) -> None:
+    whole, _ = _windows(setup)
+    ranks = [_windows(setup, rank, 2)[0] for rank in (0, 1)]
+    assert [w for pair in zip(*ranks) for w in pair] == whole[: 2 * len(ranks[1])]  # rank r: windows r, r+2, ...
+    files, tokenizer, data = setup
+    dataset = StreamedWindows(streamed_mixture(files, [1, 3], seed=7), tokenizer, data, 0, 2)
+    taken = [w for _, w in zip(range(6), dataset)]  # the loader has read 12 windows of the stream...
+    state = json.loads(json.dumps(dataset.state_at(8)))  # ...but training took 8 (4 steps of a global batch of 2)
+    assert len(taken) == 6
+    rest, _ = _windows(setup, 0, 1, state=state)  # resumed on one rank
+    assert rest == whole[8:]
+    with pytest.raises(ValueError, match=r"^the stream's state before window 7 is not kept"):
+        dataset.state_at(7)
