@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.folder import LATEST, complete_checkpoints, merge_parts, parts_written, write_part
+from lightning_dist.checkpoint.hf_save import HF_FOLDER, save_hf
 from lightning_dist.checkpoint.store import RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
@@ -58,6 +59,8 @@ class RunCheckpoints(pl.Callback):
         keep_last: Complete checkpoints to keep (the newest ones).
         run_record: What defines the run (its seed, data, batch, LR schedule), noted in every checkpoint under
             :data:`~lightning_dist.checkpoint.store.RUN_RECORD`: a run continuing from one is checked against it.
+        save_hf: Also write the model's HuggingFace weights (or its LoRA adapters) into ``<checkpoint>/hf``, before
+            the checkpoint is published (``lightning_dist/checkpoint/hf_save.py``).
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class RunCheckpoints(pl.Callback):
         every_n_minutes: float | None = None,
         keep_last: int = 2,
         run_record: dict[str, Any] | None = None,
+        save_hf: bool = False,
     ) -> None:
         self.dirpath = Path(dirpath)
+        self.save_hf = save_hf
         self.every_n_steps, self.every_n_minutes, self.keep_last = every_n_steps, every_n_minutes, keep_last
         self.run_record = run_record
         self.last_path: Path | None = None
@@ -142,6 +147,8 @@ class RunCheckpoints(pl.Callback):
         rank = getattr(trainer, "global_rank", 0)
         with beat_file.busy(step):  # a save may take minutes: the launcher must not take it for a hang
             trainer.save_checkpoint(partial, weights_only=False)  # the whole state (Lightning logs it when unsaid)
+            if self.save_hf:  # collective; inside the folder, so it is published (and pruned) with the checkpoint
+                save_hf(trainer.lightning_module, partial / HF_FOLDER, dict(trainer.lightning_module.hparams))
             view = strategy_view(trainer.strategy)  # an async save (MeshStrategy(async_save=True)) leaves its future
             future = view.pending_save if view is not None else None
             if future is None:

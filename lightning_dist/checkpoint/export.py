@@ -9,6 +9,8 @@ Examples::
 
     lightning-dist-export outputs/2026-11-24/10-00-00 model.pt          # the run's newest checkpoint, one file
     lightning-dist-export outputs/.../checkpoints/step-00000300 hf/     # HuggingFace folder (config.json, safetensors)
+    lightning-dist-export outputs/<a LoRA run> adapter/                 # a peft adapter folder (model.lora)
+    lightning-dist-export outputs/<a LoRA run> merged/ --merge          # the adapters merged into the weights
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from lightning_dist import _compat
+from lightning_dist.checkpoint.adapters import MergedCheckpoint, describe, export_adapter, lora_of
 from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
+from lightning_dist.checkpoint.model_card import model_card, push_to_hub, read_report
 from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.errors import first_line
@@ -287,18 +291,45 @@ def main(argv: list[str] | None = None) -> None:
         help="check the checkpoint's files against its manifest by size and CRC-32 (default), or by size only",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace what OUT holds (once the export is whole)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run (model.lora): merge the adapters into the weights (default: a peft adapter folder)",
+    )
+    parser.add_argument(
+        "--push-to-hub", metavar="REPO", help="upload the exported folder to this hub repo, with a model card"
+    )
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     args = parser.parse_args(argv)
     fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
+        if args.push_to_hub and fmt != "hf":
+            raise ValueError(f"--push-to-hub uploads a folder; give a folder for OUT, not {args.out}.")
         with staged(args.out, folder=fmt == "hf", overwrite=args.overwrite) as tmp:
             ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
             if ckpt.unchecked:
                 print(f"warning: {ckpt.unchecked}", file=sys.stderr, flush=True)
+            lora = lora_of(ckpt.hyper_parameters)
+            if args.merge and lora is None:
+                raise ValueError(f"--merge: {ckpt.path} holds no LoRA adapters (model.lora.rank=0); leave --merge out.")
+            if lora is not None and args.merge:
+                ckpt = MergedCheckpoint(ckpt, lora)
             if fmt == "torch":
                 export_torch(ckpt, tmp, dtype)
+            elif lora is not None and not args.merge:
+                export_adapter(ckpt, lora, tmp, dtype)
+                if ckpt.hyper_parameters.get("hf_source"):  # the tokenizer goes with the adapter, as on the hub
+                    copy_tokenizer_files(Path(ckpt.hyper_parameters["hf_source"]), tmp)
+                fmt = describe(tmp)
             else:
                 export_hf(ckpt, tmp, dtype, _size(args.max_shard_size))
+            if args.push_to_hub:  # the card: base model, layout, tokens seen, loss curve (the run's report.json)
+                step = int(ckpt.path.name.rpartition("-")[2]) if ckpt.path.name.startswith("step-") else None
+                card = model_card(args.push_to_hub, ckpt.hyper_parameters, read_report(ckpt.path), step)
+                (tmp / "README.md").write_text(card)
+        if args.push_to_hub:
+            print(f"pushed {args.out} -> {push_to_hub(args.out, args.push_to_hub, args.private)}")
     except ValueError as err:
         sys.exit(f"lightning-dist-export: {err}")
     except Exception as err:  # a write that fails (a full disk, a quota): one line, and nothing left at OUT

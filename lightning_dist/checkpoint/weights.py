@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from lightning_dist.checkpoint.hf_conversion import Conversion, conversions, load_converted
 from lightning_dist.models.gpt_hf import from_hf_names
 from lightning_dist.models.hf import HFCausalLM
+from lightning_dist.models.lora import base_name, is_adapter
 from lightning_dist.models.module import GPTModule
 
 MODULE_ATTR = "model."  # GPTModule.model and HFCausalLM.model hold the network
@@ -28,16 +29,17 @@ def hf_source_names(module: Any, state: dict[str, Any], available: Any) -> dict[
     """For each of ``module``'s tensors in ``state`` (this rank's), the HuggingFace tensor it is read from.
 
     A tied output head reads ``lm_head.weight`` where the folder has it, else the input embedding (transformers
-    leaves a tied head out of its files).
+    leaves a tied head out of its files). A layer LoRA adapted reads its weight under the model's own name
+    (``q_proj.base_layer.weight`` from ``q_proj.weight``); the adapters are not in ``state`` (they keep their values).
 
     Raises:
         ValueError: ``module`` is neither the built-in GPT nor an :class:`HFCausalLM`.
     """
     if isinstance(module, GPTModule):
         names = from_hf_names(module.model_config)
-        sources = {name: names[name[len(MODULE_ATTR) :]] for name in state}
+        sources = {name: names[base_name(name)[len(MODULE_ATTR) :]] for name in state}
     elif isinstance(module, HFCausalLM):
-        sources = {name: name[len(MODULE_ATTR) :] for name in state}
+        sources = {name: base_name(name)[len(MODULE_ATTR) :] for name in state}
         for names in _tied_names(module).values():  # a tied head (whatever its name) reads the weight that is saved
             saved = [name for name in names if name[len(MODULE_ATTR) :] in available]
             for name in names:
@@ -71,10 +73,12 @@ def weight_sources(path: Path, module: nn.Module, state: dict[str, Any]) -> dict
         ValueError: ``path`` lacks a tensor the module needs, or holds it with another shape (one line).
     """
     available = reader(path).read_metadata().state_dict_metadata
+    state = adapters_left_out(state, available, is_hf_folder(path))
     if is_hf_folder(path):
         sources = hf_source_names(module, state, available)
-    else:
+    else:  # a checkpoint without adapters (a full fine-tune) is the base of a LoRA run under its own names
         sources = {name: f"state_dict.{name}" for name in state}
+        sources = {n: s if s in available else f"state_dict.{base_name(n)}" for n, s in sources.items()}
     for name, source in sources.items():
         shape = tuple(state[name].shape)
         if source not in available:
@@ -99,6 +103,12 @@ def weight_plan(path: Path, module: nn.Module, state: dict[str, Any]) -> tuple[d
     return weight_sources(path, module, {n: t for n, t in state.items() if n not in converted}), converted
 
 
+def adapters_left_out(state: dict[str, Any], available: Any, hf: bool) -> dict[str, Any]:
+    """``state`` without the LoRA adapters that the weights do not hold (a HuggingFace folder never does; a
+    checkpoint of a LoRA run does): those keep the values they were initialized with."""
+    return {n: t for n, t in state.items() if not (is_adapter(n) and (hf or f"state_dict.{n}" not in available))}
+
+
 def load_weights(path: Path, module: nn.Module) -> None:
     """Fill ``module``'s weights in place from a HuggingFace folder or a checkpoint folder, under any layout.
 
@@ -109,7 +119,7 @@ def load_weights(path: Path, module: nn.Module) -> None:
         ValueError: See :func:`weight_plan`.
     """
     state = get_model_state_dict(module)
-    sources, converted = weight_plan(path, module, state)
+    sources, converted = weight_plan(path, module, state)  # adapters a folder lacks are left out: they keep values
     # One DCP read per pass, each source key at most once per pass (a tied head and embedding share one source).
     passes: list[dict[str, Any]] = [{}, {}]
     for name, source in sources.items():

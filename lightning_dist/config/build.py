@@ -35,7 +35,7 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
         loaded = cfg.init_from is not None or cfg.ckpt_path is not None
         return HFCausalLM(hf_config(model), cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed,
                           random_init=not loaded, hf_source=source,
-                          allow_untested_family=model.allow_untested_family)  # fmt: skip
+                          allow_untested_family=model.allow_untested_family, lora=model.lora)  # fmt: skip
     module = model.build()
     if not isinstance(module, pl.LightningModule):
         raise ValueError(

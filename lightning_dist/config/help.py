@@ -289,11 +289,18 @@ def markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def _attr(obj: Any, dotted: str) -> Any:
+    """``obj``'s field at a dotted path (``lora.rank``)."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _table(rows: list[tuple[str, str, str]], cfg: DictConfig, defaults: Any = None) -> list[str]:
     """A Markdown table of fields; their defaults from ``cfg`` (or from the dataclass instance ``defaults``)."""
     lines = ["| field | type | default | help |", "|---|---|---|---|"]
     for name, kind, doc in rows:
-        value = _value(cfg, name) if defaults is None else str(getattr(defaults, name.split(".", 1)[1]))
+        value = _value(cfg, name) if defaults is None else str(_attr(defaults, name.split(".", 1)[1]))
         lines.append(f"| `{name}` | {_cell(f'`{kind}`')} | {_cell(f'`{value}`')} | {_cell(doc)} |")
     return lines
 

@@ -1,11 +1,13 @@
 """``model=hf model.pretrained=<folder or hub id>``: where the pretrained weights are on this machine, and how the run
-starts from them. Nothing is ever downloaded: a hub id is looked up in the local HuggingFace cache only."""
+starts from them. A hub id is read from the local HuggingFace cache, or downloaded into it by one process per node
+(``config/hub.py``; ``HF_HUB_OFFLINE=1``: the cache only)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from lightning_dist.config.hub import hub_cache_dir as hub_cache_dir  # re-exported: its first home
+from lightning_dist.config.hub import hub_snapshot
 from lightning_dist.config.schema import HFModelConfig, TrainConfig
 
 
@@ -31,49 +33,21 @@ def resolve_pretrained(cfg: TrainConfig) -> None:
 
 
 def pretrained_folder(name: str) -> Path:
-    """The local HuggingFace folder of ``model.pretrained``: a folder as given, or a hub id's snapshot in the cache.
+    """The local HuggingFace folder of ``model.pretrained``: a folder as given, or a hub id's snapshot in the cache
+    (downloaded there first when it is not: :func:`~lightning_dist.config.hub.hub_snapshot`).
 
     A hub id may name a revision (``org/name@<branch, tag or commit>``; default ``main``).
 
     Raises:
-        ValueError: No such folder, not a HuggingFace folder, or a hub id not in the local cache (one line).
+        ValueError: No such folder, not a HuggingFace folder, or a hub id neither cached nor downloadable (one line).
     """
     path = Path(name).expanduser()
     if path.exists():
         _check_folder(name, path)
         return path.resolve()
-    repo_id, _, revision = name.partition("@")
-    cache = hub_cache_dir()
-    try:
-        from huggingface_hub import snapshot_download  # optional: ships with transformers (lightning-dist[hf])
-    except ImportError:
-        raise ValueError(
-            f"model.pretrained={name} is not a local folder, and looking a hub id up in the HuggingFace cache needs "
-            "huggingface_hub; pip install 'lightning-dist[hf]', or give a local folder."
-        ) from None
-    try:
-        folder = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache, local_files_only=True))
-    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), or not a valid hub id (HFValidationError)
-        offline = " (HF_HUB_OFFLINE is set: unset it there)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise ValueError(
-            f"model.pretrained={name} is neither a local folder nor in the HuggingFace cache ({cache}), and nothing "
-            f"is downloaded here; fetch it into the cache first where the network is reachable{offline} (hf "
-            f"download {repo_id}), or point HF_HUB_CACHE / HF_HOME at the cache that holds it."
-        ) from None
+    folder = hub_snapshot("model.pretrained", name)
     _check_folder(name, folder)
     return folder.resolve()
-
-
-def hub_cache_dir() -> Path:
-    """The HuggingFace hub cache as the environment names it now: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
-    ``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub`` (huggingface_hub's order, read at call
-    time rather than when it was imported)."""
-    env = os.environ
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
 
 
 def _check_folder(name: str, folder: Path) -> None:

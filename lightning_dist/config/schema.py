@@ -18,11 +18,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.config.environment import hydra_run_dir, hydra_subdir
+from lightning_dist.config.finetune import EvalConfig
 from lightning_dist.config.keys import unknown_key
 from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.optim_config import OptimConfig
 
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
@@ -194,6 +196,9 @@ class CheckpointConfig:
     async_save: bool = False
     """Copy the state to host memory and write it in the background (DCP async_save); the step waits for the copy
     only. Mesh layouts (not parallelism=ddp)."""
+    save_hf: bool = False
+    """Also write HuggingFace safetensors (config.json, the tokenizer) into each checkpoint's hf/ folder, consolidated
+    from every rank's slices (a LoRA run: its peft adapter folder), for lightning-dist-eval / -generate / sharing."""
     verify: str = "checksums"
     """How a checkpoint is checked before a run continues from it (resume, ckpt_path, restarts): checksums (each
     file's size and CRC-32 against the manifest written with it: the checkpoint is read once, ~0.3 s per GB from the
@@ -269,6 +274,8 @@ class HFModelConfig:
     allow_untested_family: bool = False
     """Run a family the family matrix does not list (a newer transformers; docs/reference/hf-families.md): its
     layouts were not checked against one process."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (LoRA, peft) trained on the frozen model: model.lora.rank=16 (0 = every weight trained)."""
 
 
 @dataclass
@@ -301,6 +308,8 @@ class TrainConfig:
     """The device the planner assumes (conf/hardware/; training itself reads cluster.*)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """lightning-dist-plan: which layouts to search and how to show them."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """lm-eval tasks during training, on each checkpoint's HuggingFace save (needs checkpoint.save_hf=true)."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Debugging aids: a profiler trace of chosen steps, CUDA memory snapshots (debug=fdr|overfit|profile|memory)."""
     callbacks: dict[str, Any] = field(default_factory=dict)

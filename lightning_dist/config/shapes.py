@@ -108,6 +108,7 @@ def planned_model(model: Any) -> GPTConfig:
             rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
             norm_eps=config.rms_norm_eps,
             tie_embeddings=bool(config.tie_word_embeddings),
+            lora=model.lora,
         )
     raise ValueError(
         f"the planner models the built-in GPT and Llama-family HuggingFace models, not {type(model).__name__}; plan "

@@ -23,6 +23,8 @@ from pathlib import Path
 from hydra.utils import get_class
 
 from lightning_dist.config import environment
+from lightning_dist.config.finetune import check_finetune
+from lightning_dist.config.hub import resolve_data_path
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -73,6 +75,7 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     par, cluster, trainer = cfg.parallelism, cfg.cluster, cfg.trainer
     check_run_fields(cfg)
     resolve_pretrained(cfg)  # model.pretrained -> its local folder, which the run starts from (init_from)
+    resolve_data_path(cfg.data)  # data=hf data.path=<hub dataset id> -> its local snapshot
     asked = f"resume={cfg.resume}" if cfg.resume is not None else f"ckpt_path={cfg.ckpt_path}"
     if cfg.resume is None and cfg.ckpt_path != "last" and environment.restart_count() == 0:
         environment.check_new_run_folder(cfg.output_dir, cfg.ckpt_path)  # a new run never writes over another's
@@ -267,6 +270,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
         model.validate()
     if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
         cfg.optim.validate()
+    check_finetune(cfg)  # model.lora, checkpoint.save_hf, eval.*
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)

@@ -7,7 +7,9 @@ model's code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from lightning_dist.models.lora_config import LoraConfig
 
 ARCHS = ("llama", "gpt2")
 
@@ -42,6 +44,12 @@ class GPTConfig:
     """Share one matrix between the token embedding and the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (output projections are scaled by 1/sqrt(2*n_layers))."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (LoRA) trained on the frozen model: model.lora.rank=16 (0 = every weight trained)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # read back from a checkpoint's hyperparameters (asdict)
+            self.lora = LoraConfig(**self.lora)
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +104,7 @@ class GPTConfig:
             raise ValueError(f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5.")
         if self.init_std <= 0:
             raise ValueError(f"model.init_std={self.init_std} must be positive, e.g. 0.02.")
+        self.lora.check()
 
 
 # ----------------------------------------------------------------------------------------------------- layers

@@ -35,6 +35,8 @@ from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init
 from lightning_dist.models.hf_loss import hf_chunked_loss
 from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
+from lightning_dist.models.lora import apply_lora, init_lora
+from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
@@ -114,6 +116,7 @@ class HFCausalLM(pl.LightningModule):
         hf_source: The HuggingFace folder the weights come from, kept in the checkpoint so ``lightning-dist-export``
             copies its tokenizer and generation config next to the exported weights.
         allow_untested_family: Run layouts of a family the family matrix does not list (``hf_families.py``).
+        lora: Low-rank adapters trained on the frozen model (``models/lora.py``); ``None`` / rank 0: every weight.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class HFCausalLM(pl.LightningModule):
         random_init: bool = True,
         hf_source: str | None = None,
         allow_untested_family: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         given = {"lr": lr, "weight_decay": weight_decay}
@@ -143,10 +147,16 @@ class HFCausalLM(pl.LightningModule):
         architecture = type(model) if built else causal_lm_class(model)
         config = {**self.hf_model_config.to_dict(), "architectures": [architecture.__name__]}
         hparams = {"hf_config": config, "optim": asdict(self.optim_config), "max_steps": max_steps}
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:  # the export writes a peft adapter folder (or merges) from it
+            hparams["lora"] = asdict(self.lora)
         self.save_hyperparameters({**hparams, "hf_source": hf_source} if hf_source else hparams, logger=False)
         self.step_loss = StepLoss()
         self._nonembedding_params: int | None = None
         self.loss_chunks = 0  # the head and loss in this many pieces of the tokens (set_loss_chunks); 0 = whole
+        if built and self.lora is not None:  # a built model keeps its values; its adapters get theirs
+            apply_lora(model, self.lora, hf_layout(model).blocks)
+            init_lora(model, init_seed)
 
     def configure_model(self) -> None:
         """Build the model from its config on the meta device; outside our strategies' meta context (one device,
@@ -154,6 +164,8 @@ class HFCausalLM(pl.LightningModule):
         if self.model is not None:
             return
         self.model = build_causal_lm(self.hf_model_config)
+        if self.lora is not None:  # adapters on the frozen model, built on the meta device too (models/lora.py)
+            apply_lora(self.model, self.lora, hf_layout(self.model).blocks)
         device = torch.get_default_device()  # the strategy's init context: meta under our mesh layouts
         if device.type != "meta":
             self.model.to_empty(device=device)
@@ -164,6 +176,7 @@ class HFCausalLM(pl.LightningModule):
         its one-process value (seeded by its name, see :func:`~lightning_dist.models.hf_init.init_causal_lm`), or
         zeros when ``random_init=False`` (the weights are read next); the rotary tables computed again."""
         init_causal_lm(self.model, self.init_seed, random=self.random_init)
+        init_lora(self.model, self.init_seed)  # the adapters are never read from pretrained weights
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), counted as for the built-in GPT (PaLM's estimate):

@@ -23,6 +23,7 @@ from lightning_dist.models.gpt_parallel import (
     gpt_context_parallel_spec,
     gpt_tensor_parallel_plan,
 )
+from lightning_dist.models.lora import apply_lora, init_lora
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
@@ -63,12 +64,15 @@ class GPTModule(pl.LightningModule):
         if self.model is not None:
             return
         self.model = GPT(self.model_config)
+        if self.model_config.lora.enabled:  # adapters on the frozen model (models/lora.py)
+            apply_lora(self.model, self.model_config.lora, blocks="layers")
         if not next(self.model.parameters()).is_meta:
-            self.model.init_weights(self.init_seed)
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Re-initialize after a strategy materialized the model from the meta device."""
         self.model.init_weights(self.init_seed)
+        init_lora(self.model, self.init_seed)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)

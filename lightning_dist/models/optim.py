@@ -43,8 +43,10 @@ def adamw_with_schedule(
     for name, param in named_parameters:
         if param.requires_grad:
             (decay if param.ndim >= 2 and not is_embedding(name, param) else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        # An empty group (LoRA trains matrices only) would break torch's sharded optimizer state dict on load.
+        [group for group in groups if group["params"]],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -12,6 +12,7 @@ from lightning_dist.parallel.activation_checkpoint import apply_activation_check
 from lightning_dist.parallel.context import ContextParallelSpec, apply_context_parallel
 from lightning_dist.parallel.data import apply_fsdp
 from lightning_dist.parallel.float8 import apply_float8, check_float8_collectives, float8_tp_styles
+from lightning_dist.parallel.lora import adapter_plan
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, expand_plan
 from lightning_dist.parallel_dims import ParallelDims
@@ -69,10 +70,12 @@ def parallelize(
                 f"tp={dims.tp} needs a tensor-parallel plan: pass plan= to the strategy or define "
                 "tensor_parallel_plan() on the LightningModule."
             )
+        styles = expand_plan(module, tp_plan)
         if options.float8 != "off":
             check_float8_collectives(options, mesh["tp"])
-            tp_plan = float8_tp_styles(module, expand_plan(module, tp_plan), options.float8)
-        applied = apply_tensor_parallel(module, mesh["tp"], tp_plan)
+            styles = float8_tp_styles(module, styles, options.float8)
+        # Low-rank adapters (LoRA) take the styles their base layer's style implies (parallel/lora.py).
+        applied = apply_tensor_parallel(module, mesh["tp"], adapter_plan(module, styles))
         retie(module, ties)
     # 1b. Context parallelism: it changes no parameter (only the attention function and the position tables), so
     #     it composes with TP in either order; before compile, so the compiled blocks call the cp attention.

@@ -143,7 +143,8 @@ def estimate_memory(
         cfg: The model.
         dims: The layout's degrees (``tp``, ``dp_shard``, ``cp`` and ``pp`` matter here).
         options: Its options: the pipeline schedule and microbatches, activation checkpointing.
-        local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`).
+        local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`); with
+            ``cfg.lora`` the base's, the adapters' added here (they alone have gradients and optimizer state).
         seq_len: Tokens per sample.
         micro_batch: Samples per forward: ``data.micro_batch_size`` (under pp, one pipeline microbatch).
         margin: Allocator fragmentation margin on the total.
@@ -167,15 +168,20 @@ def estimate_memory(
     buffers = 0
     if dp_shard * cp > 1:
         # Two gathered units (the current one and the prefetched next: a block, or the embedding + head) and one
-        # unit's fp32 unsharded gradient.
+        # unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible).
         root = 2 * cfg.vocab_size * cfg.d_model / tp
         linears = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
         gathered = max((block_params(cfg) - linears) / tp * 2 + linears / tp, root * 2)
-        buffers = int(2 * gathered + 4 * max(block_params(cfg) / tp, root))
+        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(block_params(cfg) / tp, root)
+        buffers = int(2 * gathered + unsharded_grad)
+    trainable = local_params
+    if cfg.lora.enabled:  # LoRA: gradients and AdamW moments for the adapters only; the base is held frozen
+        trainable = int(blocks * lora_block_params(cfg, tp) / (dp_shard * cp))
+        local_params += trainable
     return MemoryEstimate(
         params=local_params * STATE_BYTES_PER_PARAM["params"],
-        grads=local_params * STATE_BYTES_PER_PARAM["grads"],
-        optimizer=local_params * STATE_BYTES_PER_PARAM["optimizer"],
+        grads=trainable * STATE_BYTES_PER_PARAM["grads"],
+        optimizer=trainable * STATE_BYTES_PER_PARAM["optimizer"],
         activations=int(activations),
         logits=logits,
         buffers=buffers,
@@ -216,6 +222,20 @@ def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1) -> int:
     embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.d_model
     sharded = cfg.n_layers * block_params(cfg) - 2 * cfg.n_layers * cfg.d_model + embeddings
     return sharded // (tp * dp_shard) + norms // dp_shard
+
+
+def lora_block_params(cfg: GPTConfig, tp: int = 1) -> int:
+    """LoRA adapter parameters of one block on one tp rank: ``rank x (in + out)`` for each adapted projection, the
+    side its base layer's style shards divided by ``tp`` (a colwise layer's B, a rowwise layer's A)."""
+    h, f, kv = cfg.d_model, cfg.hidden_dim, cfg.kv_heads * cfg.head_dim
+    layers = {"q_proj": (h, h, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "o_proj": (h, h, False),
+              "gate_proj": (h, f, True), "up_proj": (h, f, True), "down_proj": (f, h, False)}  # fmt: skip
+    if cfg.arch != "llama":
+        del layers["gate_proj"]
+    targets = cfg.lora.targets
+    chosen = [k for k in layers if targets is None or any(t.rpartition(".")[2] == k for t in targets)]
+    r = cfg.lora.rank
+    return sum(r * (i + o // tp) if colwise else r * (i // tp + o) for i, o, colwise in (layers[k] for k in chosen))
 
 
 def block_linear_params(cfg: GPTConfig) -> int:

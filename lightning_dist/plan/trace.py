@@ -112,7 +112,8 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
     with _compat.fake_tensor_mode(allow_non_fake_inputs=True):
         module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
-        tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
+        vocab = module.hf_model_config.vocab_size if hasattr(module, "hf_model_config") else cfg.model.vocab_size
+        tokens = torch.randint(0, vocab, (micro, seq + 1))
         dims = strategy.parallel_dims  # under cp, this rank's head and tail chunks, as the strategy cuts a batch
         batch = shard_batch((tokens[:, :-1], tokens[:, 1:]), dims.cp, mesh["cp"].get_local_rank())
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]

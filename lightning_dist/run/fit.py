@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from lightning_dist.callbacks.checkpoints import InitWeights, RunCheckpoints
 from lightning_dist.callbacks.debug import CudaMemoryHistory, ProfileSteps
+from lightning_dist.callbacks.evaluation import EvalCallback
 from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
@@ -66,7 +67,12 @@ def fit(
     history = LossHistory()
     every = cfg.checkpoint
     checkpoint = RunCheckpoints(
-        out_dir / "checkpoints", every.every_n_steps, every.every_n_minutes, every.keep_last, run_record(cfg)
+        out_dir / "checkpoints",
+        every.every_n_steps,
+        every.every_n_minutes,
+        every.keep_last,
+        run_record(cfg),
+        save_hf=every.save_hf,
     )
     preemption = Preemption()
     shown = ShowLayout()
@@ -82,6 +88,8 @@ def fit(
     artifacts = None
     if cfg.trainer.enable_checkpointing and not cfg.trainer.fast_dev_run:  # Lightning's smoke test saves nothing
         all_callbacks.append(checkpoint)
+        if cfg.eval.tasks:  # after RunCheckpoints: it evaluates the HuggingFace save just published
+            all_callbacks.append(eval_callback(cfg, out_dir / "checkpoints"))
         if wandb_name is not None and cfg.logger[wandb_name].get("log_model"):
             artifacts = CheckpointArtifacts(checkpoint, loggers[wandb_name], cfg.logger[wandb_name]["log_model"])
             all_callbacks.append(artifacts)
@@ -197,3 +205,12 @@ class ShowLayout(pl.Callback):
             if len(self.layouts) > self.PRINTED:
                 lines.append(f"... {len(self.layouts) - self.PRINTED} more ranks in report.json")
             say("what each rank holds (strategy.describe()):\n  " + "\n  ".join(lines))
+
+
+def eval_callback(cfg: TrainConfig, checkpoints: Path) -> EvalCallback:
+    """``eval.*``: lm-eval tasks on each evaluated checkpoint's HuggingFace save (``callbacks/evaluation.py``)."""
+    ev = cfg.eval
+    limit = None if ev.limit is None else int(ev.limit) if ev.limit >= 1 else ev.limit
+    return EvalCallback(checkpoints, ev.tasks, ev.every_n_steps or cfg.checkpoint.every_n_steps,
+                        include_path=ev.include_path, limit=limit, num_fewshot=ev.num_fewshot,
+                        batch_size=ev.batch_size)  # fmt: skip

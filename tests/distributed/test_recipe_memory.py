@@ -117,3 +117,44 @@ def test_the_finetune_recipe_traces_at_full_size_and_fits(tmp_path) -> None:
                                micro_batch=cfg.data.micro_batch_size)  # fmt: skip
     assert estimate.fits(H100_GIB), estimate.gib()
     assert estimate.gib()["total"] == pytest.approx(45.4, abs=0.1)  # the number the recipe states (loss_chunks=8)
+
+
+def _trace_lora_step(overrides: list[str]) -> tuple[int, int, int]:
+    from lightning_dist.plan.trace import trace_rank
+
+    trace = trace_rank(compose_config(overrides), 0, step=True)
+    return trace.local_params, trace.grad_bytes, trace.optimizer_bytes
+
+
+def test_the_lora_recipe_plans_state_for_the_adapters_only_on_8_gpus_and_on_1(tmp_path) -> None:
+    """llama_8b_lora_chat: rank 0 of its fsdp8 layout, built at full size (Llama 3.1 8B's config.json) with its
+    rank-16 adapters and stepped once on fake tensors, holds 1/8 of the base and adapters, and gradients and AdamW
+    state for the adapters only, as the planner counts them; the planner's totals are the recipe's (8 GPUs, 1 GPU)."""
+    from transformers import LlamaConfig
+
+    from lightning_dist.config.build import planned_model
+    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.plan.memory import lora_block_params
+
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False).save_pretrained(tmp_path)  # fmt: skip
+    overrides = ["recipe=llama_8b_lora_chat", "model.pretrained=null", f"model.config={tmp_path}",
+                 f"data.path={tmp_path / 'chats.jsonl'}"]  # fmt: skip
+    cfg = compose_config(overrides)
+    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    model = planned_model(cfg.model)
+    adapters = model.n_layers * lora_block_params(model)
+    assert adapters == 41_943_040  # rank 16 on q, k, v, o, gate, up, down of 32 layers
+    base = count_local_params(model, dp_shard=dims.dp_shard)
+    estimate = estimate_memory(model, dims, options, local_params=base, seq_len=cfg.data.seq_len,
+                               micro_batch=cfg.data.micro_batch_size)  # fmt: skip
+    local, grad_bytes, optimizer_bytes = launch(_trace_lora_step, 1, overrides)[0]
+    assert local == pytest.approx(base + adapters / 8, rel=1e-3)
+    assert grad_bytes == pytest.approx(estimate.grads, rel=1e-3)  # fp32 adapter gradients, 1/8 of them
+    assert optimizer_bytes == pytest.approx(estimate.optimizer, rel=1e-3)  # AdamW's two moments, adapters only
+    assert estimate.gib()["total"] == pytest.approx(28.8, abs=0.1)  # the numbers the recipe states
+    one = compose_config([*overrides, "cluster.devices=1", "data.micro_batch_size=2"])
+    single = estimate_memory(model, build_parallel_dims(one), options_of(one), local_params=base * 8,
+                             seq_len=one.data.seq_len, micro_batch=2)  # fmt: skip
+    assert single.gib()["total"] == pytest.approx(43.8, abs=0.1) and single.fits(H100_GIB)

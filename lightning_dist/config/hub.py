@@ -1,0 +1,138 @@
+"""Hub ids into local folders: ``model.pretrained=<org/name>`` and ``data.path=<org/name>`` (a dataset repo).
+
+A hub id is looked up in the local HuggingFace cache first (no network). One not there is downloaded with
+``huggingface_hub.snapshot_download`` into that cache, the files a run reads only (safetensors, configs, tokenizer;
+a dataset's data files), by **one process per node**: local rank 0 (``LOCAL_RANK`` / ``SLURM_LOCALID``, unset = 0: the
+app's launcher resolves the config once per node) downloads and then writes a marker; the node's other processes wait
+for the marker and read the same files. The token is huggingface_hub's own (``HF_TOKEN``, or ``hf auth login``'s);
+``HF_ENDPOINT`` names another hub; ``HF_HUB_OFFLINE=1`` downloads nothing (a miss is one line, as before).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+#: What a run reads from a model repo (not ``*.bin`` / ``*.pth`` / ``original/``: the safetensors are read).
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+#: A dataset repo's data files that ``data=hf`` reads, with its README (dataset card) and configs.
+DATA_FILES = ("*.jsonl", "*.json", "*.parquet", "*.txt", "*.md", "*.yaml", "*.jsonl.gz", "*.json.gz")
+#: How long a node's other processes wait for local rank 0's download (``LIGHTNING_DIST_HUB_WAIT_S``).
+WAIT_S = 6 * 3600.0
+
+
+def hub_cache_dir() -> Path:
+    """The HuggingFace hub cache as the environment names it now: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub`` (huggingface_hub's order, read at call
+    time rather than when it was imported)."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+
+
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` set (read now): nothing is downloaded."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, ``SLURM_LOCALID``); 0 when neither is set."""
+    return int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
+
+
+def hub_snapshot(field: str, name: str, kind: str = "model") -> Path:
+    """The local snapshot folder of the hub repo ``name`` (``org/name`` or ``org/name@<revision>``): cached, or
+    downloaded by one process per node (module docstring).
+
+    Args:
+        field: The config field that named it, for the error (``model.pretrained``).
+        name: The hub id.
+        kind: ``model`` or ``dataset``.
+
+    Raises:
+        ValueError: huggingface_hub missing; not cached while offline; not on the hub or not reachable; a node's
+            download not done in time (one line each).
+    """
+    try:
+        import huggingface_hub  # optional: lightning-dist[hf]
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(
+            f"{field}={name} is not a local path, and a hub id needs huggingface_hub; pip install "
+            "'lightning-dist[hf]', or give a local folder."
+        ) from None
+    repo_id, _, revision = name.partition("@")
+    cache, patterns = hub_cache_dir(), list(MODEL_FILES if kind == "model" else DATA_FILES)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    errors = (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError)
+
+    def cached() -> Path | None:
+        try:
+            return Path(snapshot_download(repo_id, repo_type=kind, revision=revision or None, cache_dir=cache,
+                                          allow_patterns=patterns, local_files_only=True))  # fmt: skip
+        except errors:  # not cached (LocalEntryNotFoundError), or not a valid hub id (HFValidationError)
+            return None
+
+    found = cached()
+    if found is not None:
+        return found
+    if offline():
+        raise ValueError(
+            f"{field}={name} is neither a local folder nor in the HuggingFace cache ({cache}), and HF_HUB_OFFLINE is "
+            f"set: nothing is downloaded; unset it to download, or fetch it where the network is reachable (hf "
+            f"download {repo_id}{' --repo-type dataset' if kind == 'dataset' else ''}) into this cache."
+        )
+    marker = cache / ".lightning-dist" / f"{kind}--{repo_id.replace('/', '--')}@{revision or 'main'}.done"
+    if local_rank() != 0:
+        return _wait_for(marker, cached, field, name)
+    started = time.monotonic()
+    try:
+        folder = Path(snapshot_download(repo_id, repo_type=kind, revision=revision or None, cache_dir=cache,
+                                        allow_patterns=patterns, endpoint=endpoint))  # fmt: skip
+    except errors as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{field}={name}: downloading it from the hub failed ({reason}); check the id and your access (HF_TOKEN "
+            "or `hf auth login` for a gated repo), or give a local folder."
+        ) from None
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{folder}\n{time.monotonic() - started:.1f} s\n")
+    return folder
+
+
+def _wait_for(marker: Path, cached: object, field: str, name: str) -> Path:
+    """A node's other process: wait until local rank 0's download is done (its marker, written after this process
+    started), then read the cached snapshot."""
+    started = time.time()
+    limit = float(os.environ.get("LIGHTNING_DIST_HUB_WAIT_S", WAIT_S))
+    while time.time() - started < limit:
+        if marker.is_file() and marker.stat().st_mtime >= started - 5:
+            found = cached()  # type: ignore[operator]
+            if found is not None:
+                return found
+        time.sleep(0.5)
+    raise ValueError(
+        f"{field}={name}: local rank 0 did not finish downloading it within {limit:.0f} s "
+        "(LIGHTNING_DIST_HUB_WAIT_S); download it into the cache first (hf download ...)."
+    )
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether ``path`` (not on this machine) reads as a hub id: ``org/name`` or ``org/name@<revision>``, no glob."""
+    repo = path.partition("@")[0]
+    return repo.count("/") == 1 and not any(c in repo for c in "*?[]~") and not repo.startswith((".", "/"))
+
+
+def resolve_data_path(data: object) -> None:
+    """``data=hf``: a ``data.path`` / ``data.val_path`` that is a hub dataset id, not a local path, becomes the local
+    snapshot of its data files (:func:`hub_snapshot`), which ``data=hf`` then reads as a folder. In place."""
+    if getattr(data, "kind", None) != "hf":
+        return
+    for field in ("path", "val_path"):
+        value = getattr(data, field, None)
+        if value and not Path(value).expanduser().exists() and looks_like_hub_id(value):
+            setattr(data, field, str(hub_snapshot(f"data.{field}", value, kind="dataset")))

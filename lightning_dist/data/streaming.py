@@ -1,0 +1,124 @@
+"""A streamed corpus for corpora larger than disk: a weighted mixture of sources read as they are needed, tokenized and
+packed on the fly, with a position that a resume continues from exactly.
+
+The sources are datasets' streaming ``IterableDataset`` s (``load_dataset(..., streaming=True)``: local files or a hub
+dataset, never downloaded whole), mixed by ``interleave_datasets`` with the given probabilities and seed (every source
+read until all are exhausted, the shorter ones started again). Each record is tokenized by ``data=hf``'s batched
+function (EOS after each document) and the tokens packed into windows of ``seq_len + 1`` as ``data=hf`` packs them.
+
+**Ranks**: every data-parallel rank reads the whole stream and keeps the windows whose index is its rank modulo their
+number (as ``DistributedSampler`` deals an epoch), so the global batch of step ``k`` (windows ``kG .. kG+G-1``) is
+the one-process batch under every layout; not ``split_dataset_by_node``, which gives each rank other records and so
+another curve. The price: each rank tokenizes the whole stream.
+
+**The position** is global, the same on every rank: :meth:`StreamedWindows.state_dict` says which window is next and
+holds datasets' own state of the mixture (which record of which source is next, and its random generator) plus the
+tokens read but not yet packed; :meth:`~StreamedWindows.load_state_dict` on a new instance, of any rank and world
+size, makes it continue from that window exactly. :meth:`~StreamedWindows.state_at` gives the state before a given
+window among the last few boundaries passed (a loader reads ahead of training: a checkpoint wants the state before
+the first window not yet trained on). No distributed code here; the caller gives the rank and world size.
+
+Not yet wired into the app (``data.streaming``): this is the dataset and its state, tested on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from lightning_dist.data import corpus
+
+
+def streamed_mixture(files: Sequence[Sequence[str]], weights: Sequence[float] | None, seed: int) -> Any:
+    """datasets' streaming mixture of ``files`` (one list of files per source), drawn with ``weights`` (normalized)."""
+    import datasets  # optional dependency: lightning-dist[hf]
+
+    sources = []
+    for group in files:
+        loader = corpus.SUFFIXES[Path(group[0]).suffix.lower()]
+        sources.append(datasets.load_dataset(loader, data_files=list(map(str, group)), split="train", streaming=True))
+    if len(sources) == 1:
+        return sources[0]
+    if weights is not None and (len(weights) != len(sources) or any(w <= 0 for w in weights)):
+        raise ValueError(f"data.weights={list(weights)}: give one positive weight per source ({len(sources)} sources).")
+    probabilities = None if weights is None else [w / sum(weights) for w in weights]
+    return datasets.interleave_datasets(
+        sources, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted"
+    )
+
+
+class StreamedWindows(IterableDataset):
+    """``(inputs, targets)`` windows of ``seq_len`` tokens from a streamed corpus, this rank's share, resumable.
+
+    Args:
+        stream: A datasets streaming ``IterableDataset`` of records (:func:`streamed_mixture`).
+        tokenizer: The tokenizer (``corpus.load_tokenizer``).
+        data: The data config (its ``format`` must be ``text``; ``text_field``, ``seq_len``).
+        rank: This data-parallel rank; ``world_size``: how many there are.
+    """
+
+    #: Boundaries (windows that are multiples of the world size) whose states are kept for :meth:`state_at`.
+    KEPT = 64
+
+    def __init__(self, stream: Any, tokenizer: Any, data: Any, rank: int = 0, world_size: int = 1) -> None:
+        if data.format != "text":
+            raise ValueError(f"data.streaming reads data.format=text; data.format={data.format} is cached only.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"data-parallel rank {rank} is outside [0, {world_size}); check the strategy's sizes")
+        self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.tokenize = corpus.Tokenize(tokenizer, data)
+        self.field = data.text_field
+        self.length = data.seq_len + 1
+        self._buffer: list[int] = []
+        self._stream_state: dict[str, Any] | None = None
+        self._window = 0  # the global index of the next window
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position now: the next window's global index, the mixture's state, the tokens not yet packed."""
+        stream = self._stream_state or self.stream.state_dict()
+        return {"window": self._window, "stream": copy.deepcopy(stream), "buffer": list(self._buffer)}
+
+    def state_at(self, window: int) -> dict[str, Any]:
+        """The state before global window ``window`` (a multiple of the world size among the last :data:`KEPT`)."""
+        if window not in self._states:
+            raise ValueError(f"the stream's state before window {window} is not kept (kept: {sorted(self._states)}).")
+        return copy.deepcopy(self._states[window])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict` of an instance over the same sources and seed, any rank)."""
+        self.stream.load_state_dict(copy.deepcopy(state["stream"]))
+        self._stream_state = copy.deepcopy(state["stream"])
+        self._buffer = list(state["buffer"])
+        self._window = int(state["window"])
+        self._states = {}
+
+    def _next_window(self, records: Iterator[dict[str, Any]]) -> list[int] | None:
+        while len(self._buffer) < self.length:
+            record = next(records, None)
+            if record is None:
+                return None
+            self._buffer.extend(self.tokenize({self.field: [record[self.field]]})["ids"][0])
+            # After this record: what a resume reads next (datasets updates its state in place: a copy).
+            self._stream_state = copy.deepcopy(self.stream.state_dict())
+        window, self._buffer = self._buffer[: self.length], self._buffer[self.length :]
+        self._window += 1
+        return window
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        records = iter(self.stream)
+        while True:
+            if self._window % self.world_size == 0:  # a boundary: every rank's state is the same here
+                self._states[self._window] = self.state_dict()
+                self._states.pop(self._window - self.KEPT * self.world_size, None)
+            window = self._next_window(records)
+            if window is None:
+                return
+            if (self._window - 1) % self.world_size == self.rank:
+                tokens = torch.tensor(window, dtype=torch.long)
+                yield tokens[:-1], tokens[1:]

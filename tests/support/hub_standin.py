@@ -1,0 +1,180 @@
+"""A local stand-in for the HuggingFace hub's HTTP API, file-backed, for tests without network.
+
+Serves the paths ``huggingface_hub`` calls to download (``GET /api/{models,datasets}/<repo>/revision/<rev>`` and
+``.../tree/<rev>``, ``HEAD`` / ``GET /[datasets/]<repo>/resolve/<rev>/<file>``) from folders the test registers, and
+takes uploads (``POST /api/repos/create``, ``/api/validate-yaml``, ``/preupload/``, ``/commit/``: each file inline).
+Every request is recorded with its ``Authorization`` header and every upload with its files, so a test can check what
+was fetched, how often, with which token, and what was pushed. Point huggingface_hub at it with ``HF_ENDPOINT=<url>``
+(our code reads it at call time).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+SHA = "0123456789abcdef0123456789abcdef01234567"  # the one commit every repo is at
+
+
+class HubStandIn:
+    """``with HubStandIn() as hub: hub.add("org/name", folder)``; ``hub.url`` is the endpoint."""
+
+    def __init__(self) -> None:
+        self.repos: dict[tuple[str, str], Path] = {}  # (kind, repo id) -> folder
+        self.requests: list[dict[str, Any]] = []
+        self.uploads: list[dict[str, Any]] = []
+        handler = type("Handler", (_Handler,), {"hub": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def add(self, repo_id: str, folder: Path, kind: str = "model") -> None:
+        self.repos[(kind, repo_id)] = Path(folder)
+
+    def fetched(self, suffix: str) -> int:
+        """How many GET requests downloaded a path ending in ``suffix``."""
+        return sum(1 for r in self.requests if r["method"] == "GET" and r["path"].endswith(suffix))
+
+    def __enter__(self) -> HubStandIn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: HubStandIn
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _record(self) -> None:
+        self.hub.requests.append({"method": self.command, "path": unquote(self.path.split("?")[0]),
+                                  "authorization": self.headers.get("Authorization")})  # fmt: skip
+
+    def do_HEAD(self) -> None:
+        self._record()
+        self._file(body=False)
+
+    def do_POST(self) -> None:
+        """Repo creation and commits (every file uploaded inline, "regular" mode: no LFS / Xet round trip)."""
+        self._record()
+        path = unquote(self.path.split("?")[0])
+        body = self._body()
+        if path == "/api/repos/create":
+            request = json.loads(body or b"{}")
+            repo_id = (
+                f"{request.get('organization') or 'user'}/{request['name']}"
+                if "/" not in request.get("name", "")
+                else request["name"]
+            )
+            private = request.get(
+                "private", request.get("visibility", "public") == "private"
+            )  # huggingface_hub 0.x / 1+
+            self.hub.uploads.append({"create": repo_id, "private": private})
+            return self._send(200, json.dumps({"url": f"{self.hub.url}/{repo_id}"}).encode(), {})
+        if path == "/api/validate-yaml":  # a README.md's metadata block, checked before the commit
+            return self._send(200, b'{"errors": [], "warnings": []}', {"Content-Type": "application/json"})
+        if "/preupload/" in path:
+            files = json.loads(body or b"{}").get("files", [])
+            answer = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+            return self._send(200, json.dumps({"files": answer}).encode(), {"Content-Type": "application/json"})
+        if "/commit/" in path:
+            lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+            files = {}
+            for line in lines:
+                if line.get("key") == "file":
+                    value = line["value"]
+                    files[value["path"]] = (
+                        base64.b64decode(value["content"])
+                        if value.get("encoding") == "base64"
+                        else value["content"].encode()
+                    )
+            repo_id = path.split("/api/models/")[-1].split("/commit/")[0]
+            self.hub.uploads.append({"commit": repo_id, "files": files,
+                                     "message": next((x["value"].get("summary") for x in lines
+                                                      if x.get("key") == "header"), None)})  # fmt: skip
+            answer = {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{SHA}", "commitOid": SHA}
+            return self._send(200, json.dumps(answer).encode(), {"Content-Type": "application/json"})
+        return self._send(404, b"not found", {})
+
+    def do_GET(self) -> None:
+        self._record()
+        path = unquote(self.path.split("?")[0])
+        if path.startswith("/api/"):
+            self._info(path)
+        else:
+            self._file(body=True)
+
+    def _body(self) -> bytes:
+        """The request's body: by Content-Length, or chunked; gunzipped when sent compressed."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while True:
+                size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                if size == 0:
+                    self.rfile.readline()
+                    break
+                body += self.rfile.read(size)
+                self.rfile.readline()
+        else:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+        return gzip.decompress(body) if self.headers.get("Content-Encoding") == "gzip" else body
+
+    def _repo(self, parts: list[str], kind: str) -> tuple[str, Path] | None:
+        for (k, repo_id), folder in self.hub.repos.items():
+            if k == kind and "/".join(parts[: len(repo_id.split("/"))]) == repo_id:
+                return repo_id, folder
+        return None
+
+    def _info(self, path: str) -> None:
+        parts = path.split("/")[2:]  # models|datasets, org, name, revision, <rev>
+        kind = {"models": "model", "datasets": "dataset"}.get(parts[0])
+        found = self._repo(parts[1:], kind) if kind else None
+        if found is None:
+            return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+        repo_id, folder = found
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        if "tree" in parts:  # /api/<kind>s/<repo>/tree/<rev>[/<path>]?recursive=...: every file, recursively
+            body: Any = [{"type": "file", "path": str(f.relative_to(folder)), "size": f.stat().st_size,
+                          "oid": hashlib.sha1(f.read_bytes()).hexdigest()} for f in files]  # fmt: skip
+        else:
+            siblings = [{"rfilename": str(f.relative_to(folder))} for f in files]
+            body = {"id": repo_id, "sha": SHA, "siblings": siblings, "private": False}
+        self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _file(self, body: bool) -> None:
+        parts = unquote(self.path.split("?")[0]).strip("/").split("/")
+        kind = "dataset" if parts[0] == "datasets" else "model"
+        parts = parts[1:] if kind == "dataset" else parts
+        found = self._repo(parts, kind)
+        if found is None or "resolve" not in parts:
+            return self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"})
+        at = parts.index("resolve")
+        file = found[1] / "/".join(parts[at + 2 :])
+        if not file.is_file():
+            return self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"})
+        data = file.read_bytes()
+        headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                   "Content-Length": str(len(data))}  # fmt: skip
+        self._send(200, data if body else None, headers, length=len(data))
+
+    def _send(self, code: int, data: bytes | None, headers: dict[str, str], length: int | None = None) -> None:
+        self.send_response(code)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        if "Content-Length" not in headers:
+            self.send_header("Content-Length", str(length if length is not None else len(data or b"")))
+        self.end_headers()
+        if data is not None and self.command != "HEAD":
+            self.wfile.write(data)

@@ -1,0 +1,114 @@
+"""Hub ids downloaded into the HuggingFace cache, against a local stand-in for the hub's HTTP API (no network):
+``model.pretrained=<org/name>`` and ``data.path=<org/name>`` (a dataset repo), with the user's token, by one process
+per node (the others wait and read the same files), nothing fetched once cached, and ``HF_HUB_OFFLINE=1`` as before
+(the cache only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import FAST, compose_config
+
+from lightning_dist.config.hub import hub_snapshot
+from lightning_dist.config.validate import validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from hub_standin import HubStandIn
+
+pytest.importorskip("huggingface_hub")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    model = tmp_path / "served" / "model"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2)).save_pretrained(model)  # fmt: skip
+    (model / "pytorch_model.bin").write_bytes(b"not read: the safetensors are")
+    data = tmp_path / "served" / "data"
+    (data / "train").mkdir(parents=True)
+    (data / "train" / "part-0.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(20)))
+    with HubStandIn() as standin:
+        standin.add("tiny-org/tiny-llama", model)
+        standin.add("tiny-org/tiny-corpus", data, kind="dataset")
+        monkeypatch.setenv("HF_ENDPOINT", standin.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        yield standin
+
+
+def test_a_hub_model_is_downloaded_once_with_the_token_then_read_from_the_cache(hub: HubStandIn) -> None:
+    cfg = compose_config([*[o for o in FAST if not o.startswith("model.")], "model=hf",
+                          "model.pretrained=tiny-org/tiny-llama", "data.vocab_size=64"])  # fmt: skip
+    valid = validate(cfg)
+    folder = Path(valid.cfg.init_from)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert not (folder / "pytorch_model.bin").exists()  # only what a run reads
+    assert hub.fetched("model.safetensors") == 1
+    assert {r["authorization"] for r in hub.requests if "/tiny-llama" in r["path"]} == {"Bearer hf_test_token"}
+    before = len(hub.requests)
+    assert Path(validate(cfg).cfg.init_from) == folder
+    assert len(hub.requests) == before  # cached: no request at all
+
+
+def test_a_node_s_other_processes_wait_for_local_rank_0_and_fetch_nothing(
+    hub: HubStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    found: list[Path] = []
+    waiter = threading.Thread(target=lambda: found.append(hub_snapshot("model.pretrained", "tiny-org/tiny-llama")))
+    waiter.start()
+    time.sleep(1.0)
+    assert not found and hub.fetched("model.safetensors") == 0  # rank 1 waits, downloading nothing
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the node's rank 0 (here: this thread) downloads
+    folder = hub_snapshot("model.pretrained", "tiny-org/tiny-llama")
+    waiter.join(timeout=30)
+    assert found == [folder] and hub.fetched("model.safetensors") == 1
+
+
+def test_offline_mode_reads_the_cache_only(hub: HubStandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    message = r"^model.pretrained=tiny-org/tiny-llama is neither a local folder nor in the HuggingFace cache .* HF_HUB"
+    with pytest.raises(ValueError, match=message):
+        hub_snapshot("model.pretrained", "tiny-org/tiny-llama")
+    assert not hub.requests
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(ValueError, match=r"^model.pretrained=tiny-org/nope: downloading it from the hub failed"):
+        hub_snapshot("model.pretrained", "tiny-org/nope")
+
+
+def test_a_hub_dataset_id_is_downloaded_and_read_as_a_folder(hub: HubStandIn, tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tok"
+    from helpers import make_tiny_tokenizer
+
+    make_tiny_tokenizer(tokenizer, [f"line {i}" for i in range(20)], vocab_size=280)
+    cfg = compose_config([*FAST, "data=hf", "data.path=tiny-org/tiny-corpus", f"data.tokenizer={tokenizer}",
+                          "data.seq_len=8", "data.sample_by=line", "data.num_proc=1",
+                          f"data.cache_dir={tmp_path / 'tokens'}", "model.vocab_size=300"])  # fmt: skip
+    valid = validate(cfg)
+    assert (Path(valid.cfg.data.path) / "train" / "part-0.jsonl").is_file()
+    assert hub.fetched("part-0.jsonl") == 1
+
+
+def test_lightning_dist_prepare_reads_a_hub_dataset_id(hub: HubStandIn, tmp_path: Path) -> None:
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data import corpus
+    from lightning_dist.run.prepare import prepare
+
+    lines = [f"line {i}" for i in range(20)]
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", lines, vocab_size=280, chat_template=None)
+    prepare(["tiny-org/tiny-corpus"], tmp_path / "out", str(tokenizer), val_fraction=0, num_proc=1)
+    tok = corpus.load_tokenizer(str(tokenizer))
+    expected = [t for line in lines for t in [*tok(line)["input_ids"], tok.eos_token_id]]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
+    assert hub.fetched("part-0.jsonl") == 1
