@@ -6,9 +6,10 @@ When one of these moves in a new transformers release, this is the only file to 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def set_attn_implementation(config: Any, name: str) -> None:
