@@ -281,6 +281,27 @@ def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]],
         setattr(stage, name, wrap(getattr(stage, name)))
 
 
+#: ``PipelineStage`` methods that infer a stage's input and output metadata by running its forward (and backward) on
+#: empty tensors of the batch's shapes (torch 2.13, private): on the first step and after a change of shapes.
+PIPELINE_METADATA_INFERENCE: tuple[str, ...] = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def around_pipeline_metadata_inference(stage: PipelineStage, around: Callable[[], Any]) -> None:
+    """Run ``stage``'s metadata inference (:data:`PIPELINE_METADATA_INFERENCE`) inside the context ``around()``: its
+    forward and backward run the model on empty tensors, which must leave no trace in the model's state (the MoE
+    routers' token counts)."""
+    for name in PIPELINE_METADATA_INFERENCE:
+        original = getattr(stage, name, None)
+        if original is None:
+            continue
+
+        def inferring(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            with around():
+                return _original(*args, **kwargs)
+
+        setattr(stage, name, inferring)
+
+
 # ----------------------------------------------------------------------------------------------- Lightning data
 @contextmanager
 def pipeline_outputs_only(schedule: Any) -> Iterator[None]:

@@ -34,8 +34,8 @@ from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_siz
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
-from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.parallel.options import ParallelOptions, check_expert_parallel
+from lightning_dist.parallel_dims import DEGREES, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -131,15 +131,8 @@ def _continues_its_own_run(cfg: TrainConfig) -> bool:
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
     """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
-    par = cfg.parallelism
-    return ParallelDims(
-        world_size=cfg.cluster.devices * cfg.cluster.num_nodes,
-        dp_replicate=par.dp_replicate,
-        dp_shard=par.dp_shard,
-        tp=par.tp,
-        pp=par.pp,
-        cp=par.cp,
-    )
+    degrees = {name: getattr(cfg.parallelism, name) for name in DEGREES}
+    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes, **degrees)
 
 
 def options_of(cfg: TrainConfig) -> ParallelOptions:
@@ -198,6 +191,8 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
     if dims.cp_enabled:
         _check_context_parallel(cfg, dims, gpt)
+    if dims.ep_enabled:
+        _check_expert_parallel(cfg, dims, gpt)
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
         check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family,
@@ -250,6 +245,28 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
             "batch's token count, which the sequence split does not rescale yet; set parallelism.cp=1 or "
             "data.format=text."
         )
+
+
+def _check_expert_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> None:
+    """The experts split over ep: a model with MoE blocks whose number of experts ep divides."""
+    if gpt:
+        if not cfg.model.moe.enabled:
+            raise ValueError(
+                f"parallelism.ep={dims.ep} but the GPT has no MoE blocks; set model.moe.num_experts (e.g. "
+                f"model=moe_tiny) or parallelism.ep=1."
+            )
+        check_expert_parallel(cfg.model.moe.num_experts, dims.ep, "parallelism.")
+    elif isinstance(cfg.model, HFModelConfig):
+        # deferred: next to HFCausalLM's expert-parallel spec (test_layering: DEFERRED)
+        from lightning_dist.models.hf_moe import num_experts_of
+
+        experts = num_experts_of(hf_config(cfg.model))
+        if experts is None:
+            raise ValueError(
+                f"parallelism.ep={dims.ep} but model=hf {hf_config(cfg.model).model_type} has no MoE experts; use an "
+                "MoE family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or parallelism.ep=1."
+            )
+        check_expert_parallel(experts, dims.ep, "parallelism.")
 
 
 def _model_name(cfg: TrainConfig) -> str:

@@ -7,9 +7,83 @@ model's code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ARCHS = ("llama", "gpt2")
+#: How a router turns its logits into expert scores: softmax over the experts (Mixtral, Qwen-MoE) or a sigmoid per
+#: expert (DeepSeek-V3).
+SCORE_FUNCS = ("softmax", "sigmoid")
+#: How the experts are computed (:class:`lightning_dist.models.moe.GroupedExperts`): torch's grouped matrix multiply
+#: where the device and dtype take it, else a loop over the experts (``auto``); or one of the two always.
+EXPERT_COMPUTES = ("auto", "grouped_mm", "loop")
+
+
+@dataclass
+class MoEConfig:
+    """A mixture of experts in place of the dense MLP (``model.moe.num_experts > 0``; lightning_dist/models/moe.py).
+
+    Every token goes to ``top_k`` of ``num_experts`` SwiGLU experts (dropless: no token is dropped, so any layout
+    computes the same thing), weighted by its router scores, plus the ``shared_experts`` every token takes.
+    """
+
+    num_experts: int = 0
+    """Routed experts per MoE block; 0 = a dense model (no MoE)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    hidden: int | None = None
+    """Hidden size of one expert; None = the dense MLP's (model.ffn_hidden or its default)."""
+    shared_experts: int = 0
+    """Experts every token also takes (DeepSeek, Qwen2-MoE): one SwiGLU of shared_experts x hidden; 0 = none."""
+    dense_layers: int = 0
+    """The first this many blocks keep the dense MLP (DeepSeek's first_k_dense_replace)."""
+    score_func: str = "softmax"
+    """Router scores: softmax over the experts (Mixtral, Qwen-MoE) or sigmoid per expert (DeepSeek-V3)."""
+    route_norm: bool = True
+    """Divide each token's top_k scores by their sum (Mixtral, Qwen3-MoE norm_topk_prob)."""
+    route_scale: float = 1.0
+    """Multiply the (normalized) scores by this (DeepSeek-V3's routed_scaling_factor)."""
+    balance_rate: float = 1e-3
+    """Load balancing without an auxiliary loss (DeepSeek-V3, arXiv 2408.15664; torchtitan's load_balance_coeff):
+    after each optimizer step every expert's routing bias moves by this much toward the mean load (up when it got
+    fewer tokens than the mean over the global batch, down when more); the bias only picks experts, the scores stay
+    unbiased. 0 = off."""
+    expert_compute: str = "auto"
+    """How the experts run: grouped_mm (torch's grouped matrix multiply, one kernel for all experts), loop (one
+    matmul per expert: the reference) or auto (grouped_mm where the device and dtype take it: CUDA bf16 on SM 8.0+,
+    CPU fp32 / bf16 with 16-byte aligned rows; else loop)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE blocks."""
+        return self.num_experts > 0
+
+    def validate(self, n_layers: int) -> None:
+        """Raise a one-line ``ValueError`` naming the bad value and a fix."""
+        if not self.enabled:
+            if self.num_experts < 0:
+                raise ValueError(f"model.moe.num_experts={self.num_experts} must be >= 0 (0 = a dense model).")
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} must be in [1, model.moe.num_experts={self.num_experts}].")
+        if self.hidden is not None and self.hidden < 1:
+            raise ValueError(f"model.moe.hidden={self.hidden} must be positive; null = the dense MLP's hidden size.")
+        if self.shared_experts < 0:
+            raise ValueError(f"model.moe.shared_experts={self.shared_experts} must be >= 0.")
+        if not 0 <= self.dense_layers < n_layers:
+            raise ValueError(
+                f"model.moe.dense_layers={self.dense_layers} must be in [0, model.n_layers={n_layers}): at least one "
+                "block must be an MoE block (or set model.moe.num_experts=0 for a dense model)."
+            )
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"model.moe.score_func={self.score_func!r} is unknown; use one of {list(SCORE_FUNCS)}.")
+        if self.route_scale <= 0:
+            raise ValueError(f"model.moe.route_scale={self.route_scale} must be positive (1.0 = unscaled).")
+        if self.balance_rate < 0:
+            raise ValueError(f"model.moe.balance_rate={self.balance_rate} must be >= 0 (0 = no balancing).")
+        if self.expert_compute not in EXPERT_COMPUTES:
+            raise ValueError(
+                f"model.moe.expert_compute={self.expert_compute!r} is unknown; use one of {list(EXPERT_COMPUTES)}."
+            )
 
 
 @dataclass
@@ -42,6 +116,21 @@ class GPTConfig:
     """Share one matrix between the token embedding and the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (output projections are scaled by 1/sqrt(2*n_layers))."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts in place of the dense MLP (model.moe.num_experts > 0); off by default."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # read back from a checkpoint's hyperparameters (asdict)
+            self.moe = MoEConfig(**self.moe)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has a mixture of experts instead of the dense MLP."""
+        return self.moe.enabled and index >= self.moe.dense_layers
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden size of one expert: ``moe.hidden`` or the dense MLP's."""
+        return self.moe.hidden if self.moe.hidden is not None else self.hidden_dim
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +185,12 @@ class GPTConfig:
             raise ValueError(f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5.")
         if self.init_std <= 0:
             raise ValueError(f"model.init_std={self.init_std} must be positive, e.g. 0.02.")
+        if self.moe.enabled and self.arch != "llama":
+            raise ValueError(
+                f"model.moe.num_experts={self.moe.num_experts} with model.arch={self.arch!r}: the "
+                "experts are SwiGLU (arch=llama); set model.arch=llama or model.moe.num_experts=0."
+            )
+        self.moe.validate(self.n_layers)
 
 
 # ----------------------------------------------------------------------------------------------------- layers

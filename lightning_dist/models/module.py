@@ -21,11 +21,14 @@ from lightning_dist.models.gpt_parallel import (
     check_context_parallel,
     check_tensor_parallel,
     gpt_context_parallel_spec,
+    gpt_expert_parallel_spec,
     gpt_tensor_parallel_plan,
 )
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
+from lightning_dist.models.moe import load_stats, update_expert_bias
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 
@@ -129,7 +132,7 @@ class GPTModule(pl.LightningModule):
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
         """The GPT's tensor-parallel plan, by module name relative to this module."""
-        return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel)
+        return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel, self.model_config)
 
     def pipeline_spec(self) -> PipelineSpec:
         """How a pipeline splits the GPT: ``model.layers`` are the blocks, embeddings first, norm and head last."""
@@ -156,6 +159,27 @@ class GPTModule(pl.LightningModule):
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences."""
         check_context_parallel(self.model_config, cp)
+
+    def expert_parallel_spec(self) -> ExpertParallelSpec | None:
+        """The GPT's MoE experts and its routers' token counts (``None`` for a dense GPT)."""
+        return gpt_expert_parallel_spec("model.", self.model_config, self.model)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Balance the MoE experts: each router's bias steps toward the global batch's mean load (the strategy summed
+        the counts over the data-parallel ranks); the load imbalance is logged on logging steps only."""
+        if self.model is None or not self.model_config.moe.enabled:
+            return
+        summed = self.trainer.world_size == 1 or getattr(self.trainer.strategy, "sums_expert_load", False)
+        if self.model_config.moe.balance_rate > 0 and not summed:
+            raise ValueError(
+                f"model.moe balances the experts by the global batch's load, which "
+                f"{type(self.trainer.strategy).__name__} does not sum over its ranks (each rank would drift its own "
+                "way); use lightning_dist's MeshStrategy or DataParallelStrategy, or model.moe.balance_rate=0."
+            )
+        shares = update_expert_bias(self.model)
+        if _compat.logs_this_step(self.trainer):
+            for key, value in load_stats(shares).items():  # the same on every data-parallel rank: no sync_dist
+                self.log(key, value)
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config

@@ -18,6 +18,7 @@ import functools
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,7 @@ from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
@@ -89,6 +91,7 @@ class PipelineStages:
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
         cp_spec: ContextParallelSpec | None = None,
+        ep_spec: ExpertParallelSpec | None = None,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -122,6 +125,9 @@ class PipelineStages:
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
         if cp_spec is not None:
             cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
+        if ep_spec is not None:  # the experts' names relative to the split model, as the stages hold them
+            prefix = f"{spec.model_attr}."
+            ep_spec = replace(ep_spec, experts=tuple(p.removeprefix(prefix) for p in ep_spec.experts))
         stage_of = tied.stage_of_name(spec, keys, groups)
         stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
         if stage_ties and dims.tp_enabled:
@@ -138,7 +144,7 @@ class PipelineStages:
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
 
-        views, tp_styles, fsdp_units = [], {}, []
+        views, tp_styles, fsdp_units, experts = [], {}, [], ""
         for sid, blocks in zip(stage_ids, stage_blocks):
             view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
             done = parallelize(
@@ -148,6 +154,7 @@ class PipelineStages:
                 # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
                 tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
                 cp_spec=cp_spec,
+                ep_spec=ep_spec,
                 fsdp_units=list(module_children(spec.blocks(view)).values()),
                 fsdp_roots=[view],
                 param_dtype=param_dtype,
@@ -156,6 +163,7 @@ class PipelineStages:
             )
             prefix = f"{spec.model_attr}."  # names as the LightningModule's, like a whole model's
             tp_styles.update({prefix + name: style for name, style in done.tp_styles.items()})
+            experts = experts or done.experts
             fsdp_units += [f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
                            for unit in done.fsdp_units]  # fmt: skip
             views.append(view)
@@ -165,13 +173,16 @@ class PipelineStages:
                 pipeline.share_buffers(view, model)
         pp_group = dims.group("pp")
         stages = [PipelineStage(view, sid, num_stages, device, group=pp_group) for view, sid in zip(views, stage_ids)]
+        if ep_spec is not None and ep_spec.load is not None:  # torch's shape inference must not count tokens
+            for stage in stages:
+                _compat.around_pipeline_metadata_inference(stage, functools.partial(_unchanged, ep_spec.load))
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
         runner.layout = RankLayout.of(
             dims, global_rank, stages=tuple(stage_ids), blocks=tuple(tuple(f"{spec.blocks_attr}.{key}" if
             spec.blocks_attr else key for key in blocks) for blocks in stage_blocks), tp_styles=tp_styles,
-            fsdp_units=tuple(fsdp_units),
+            fsdp_units=tuple(fsdp_units), experts=experts,
         )  # fmt: skip
         return runner
 
@@ -390,6 +401,17 @@ def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
             "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
         )
     return spec
+
+
+@contextmanager
+def _unchanged(tensors: Any) -> Iterator[None]:
+    """Put the values of ``tensors()`` back as they were (after torch ran a stage on empty tensors)."""
+    kept = [(tensor, tensor.clone()) for tensor in tensors()]
+    try:
+        yield
+    finally:
+        for tensor, value in kept:
+            tensor.copy_(value)
 
 
 def _local(tensor: Tensor) -> Tensor:
