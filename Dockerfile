@@ -3,12 +3,13 @@
 #   docker run --gpus all --ipc=host -v $PWD/outputs:/workspace/outputs lightning-dist:0.4.0 cluster=gpu
 # The sbatch recipes run it on a cluster (recipes/slurm/*.sbatch: CONTAINER_IMAGE=... for pyxis / enroot,
 # APPTAINER_IMAGE=... for apptainer; `apptainer build lightning-dist.sif docker-daemon://lightning-dist:0.4.0`).
-# Another torch / CUDA: --build-arg BASE_IMAGE=pytorch/pytorch:<torch>-cuda<x.y>-cudnn9-runtime (torch >= 2.13).
+# Another torch / CUDA: --build-arg BASE_IMAGE=pytorch/pytorch:<torch>-cuda<x.y>-cudnn9-runtime (torch >= 2.11).
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
-# app: Hydra, W&B, the console scripts; hf: transformers, datasets; slurm: submitit; loggers: TensorBoard, MLflow.
-ARG EXTRAS=app,hf,slurm,loggers
+# app: Hydra, W&B, the console scripts; hf: transformers, datasets; float8: torchao; slurm: submitit;
+# loggers: TensorBoard, MLflow.
+ARG EXTRAS=app,hf,float8,slurm,loggers
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # The oldest torch the unit and distributed tiers pass on (`make test-torch-floor`; README, "Install").
-TORCH_FLOOR ?= 2.13.0
+TORCH_FLOOR ?= 2.11.0
 ifeq ($(HAS_GPU),1)
 TORCH_SPEC ?= torch>=$(TORCH_FLOOR)
 else
@@ -52,8 +52,9 @@ test-unit: install
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed $(PYTEST_ARGS)
 
-# The floor in pyproject.toml, checked: a separate environment with torch==$(TORCH_FLOOR) (the CPU build where no GPU
-# is present: TORCH_INDEX=https://download.pytorch.org/whl/cpu for a version the registry has only as a CUDA build).
+# The floor in pyproject.toml, checked: a separate environment with torch==$(TORCH_FLOOR). PyPI has torch 2.11.0 only as
+# a CUDA build (about 5 GB with its nvidia wheels), which runs on a CPU machine too; TORCH_INDEX=.../whl/cpu for the
+# CPU build where that index is reachable.
 test-torch-floor:
 	$(MAKE) VENV=.venv-floor TORCH_SPEC="torch==$(TORCH_FLOOR)" install
 	.venv-floor/bin/python -c "import torch; print('torch', torch.__version__)"

@@ -5,8 +5,7 @@ When one of these moves in a new release, this is the only file to change.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,18 @@ from lightning_dist._compat_hf import hf_no_split_modules as hf_no_split_modules
 from lightning_dist._compat_hf import hf_supported_attention as hf_supported_attention
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
+# torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)
+from lightning_dist._compat_pipelining import PIPELINE_METADATA_INFERENCE as PIPELINE_METADATA_INFERENCE
+from lightning_dist._compat_pipelining import PIPELINE_STAGE_CHUNKS as PIPELINE_STAGE_CHUNKS
+from lightning_dist._compat_pipelining import around_pipeline_metadata_inference as around_pipeline_metadata_inference
+from lightning_dist._compat_pipelining import follow_train_eval_switch as follow_train_eval_switch
+from lightning_dist._compat_pipelining import pipeline_outputs_only as pipeline_outputs_only
+from lightning_dist._compat_pipelining import pipeline_stage as pipeline_stage
+from lightning_dist._compat_pipelining import reshape_pipeline as reshape_pipeline
+from lightning_dist._compat_pipelining import schedule_loss_kwargs as schedule_loss_kwargs
+from lightning_dist._compat_pipelining import stage_inputs as stage_inputs
+from lightning_dist._compat_pipelining import wrap_stage_chunks as wrap_stage_chunks
+
 # transformers' private APIs: a module of their own, read through this one (_compat.attn_implementation, ...)
 
 if TYPE_CHECKING:
@@ -24,7 +35,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import PipelineStage
 
 
 def flatten_mesh(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
@@ -98,7 +108,8 @@ def functional_collectives_module() -> ModuleType:
     """``torch.distributed._functional_collectives`` (private): the module DTensor calls as ``funcol.<name>``.
 
     DTensor looks the functions up on this module at call time (``funcol.all_reduce``, ``all_gather_single``,
-    ``reduce_scatter_single`` in torch 2.13), so the communication tracker replaces them while it is installed."""
+    ``reduce_scatter_single`` in torch 2.13; ``all_gather_tensor``, ``reduce_scatter_tensor`` in 2.11), so the
+    communication tracker replaces them while it is installed (its names: ``telemetry/torch_patches.py``)."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol
@@ -114,6 +125,25 @@ def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, funcol.AsyncCollectiveTensor):
         return tensor.wait()
     return funcol.wait_tensor(tensor)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = every rank's ``input`` along dim 0: ``dist.all_gather_single`` (torch 2.13), else the name it
+    deprecates, ``all_gather_into_tensor`` (torch 2.11; same arguments). Looked up at each call, not bound once: the
+    telemetry's CommTracker counts the traffic by replacing torch.distributed's functions while it is installed."""
+    import torch.distributed as dist
+
+    fn = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_sum_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` = this rank's dim-0 slice of ``input`` summed over ranks: ``dist.reduce_scatter_single`` (torch
+    2.13), else ``reduce_scatter_tensor`` (torch 2.11), looked up at each call as :func:`all_gather_single`."""
+    import torch.distributed as dist
+
+    fn = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
@@ -270,65 +300,7 @@ def shallow_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-# ---------------------------------------------------------------------------------------------------- pipelining
-#: ``PipelineStage`` methods a schedule calls for each unit of work (not a documented extension point of torch).
-PIPELINE_STAGE_CHUNKS: tuple[str, ...] = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
-def wrap_stage_chunks(stage: PipelineStage, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each of ``stage``'s chunk methods (:data:`PIPELINE_STAGE_CHUNKS`) by ``wrap(method)`` on the object."""
-    for name in PIPELINE_STAGE_CHUNKS:
-        setattr(stage, name, wrap(getattr(stage, name)))
-
-
-#: ``PipelineStage`` methods that infer a stage's input and output metadata by running its forward (and backward) on
-#: empty tensors of the batch's shapes (torch 2.13, private): on the first step and after a change of shapes.
-PIPELINE_METADATA_INFERENCE: tuple[str, ...] = ("_forward_metadata_inference", "_backward_metadata_inference")
-
-
-def around_pipeline_metadata_inference(stage: PipelineStage, around: Callable[[], Any]) -> None:
-    """Run ``stage``'s metadata inference (:data:`PIPELINE_METADATA_INFERENCE`) inside the context ``around()``: its
-    forward and backward run the model on empty tensors, which must leave no trace in the model's state (the MoE
-    routers' token counts)."""
-    for name in PIPELINE_METADATA_INFERENCE:
-        original = getattr(stage, name, None)
-        if original is None:
-            continue
-
-        def inferring(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            with around():
-                return _original(*args, **kwargs)
-
-        setattr(stage, name, inferring)
-
-
 # ----------------------------------------------------------------------------------------------- Lightning data
-@contextmanager
-def pipeline_outputs_only(schedule: Any) -> Iterator[None]:
-    """Run a pipeline schedule's ``eval()`` for its last stage's outputs alone, computing no loss.
-
-    torch 2.13's ``eval()`` calls the schedule's loss function on every microbatch whenever the schedule has one (it
-    then needs targets); the private ``_loss_fn`` is what ``_maybe_compute_loss`` checks.
-    """
-    loss_fn, schedule._loss_fn = schedule._loss_fn, None
-    try:
-        yield
-    finally:
-        schedule._loss_fn = loss_fn
-
-
-def reshape_pipeline(schedule: Any) -> None:
-    """Make ``schedule`` infer its stages' activation shapes again at its next ``step`` / ``eval``.
-
-    torch 2.13 infers them (and sizes every receive buffer) on the first call only, and again only on a switch
-    between training and eval: a later batch of another shape would be received into the old buffers.
-    """
-    for prefix in ("_stage", "_stages"):  # single-stage / multi-stage schedules
-        if hasattr(schedule, f"{prefix}_forward_initialized"):
-            setattr(schedule, f"{prefix}_forward_initialized", False)
-            setattr(schedule, f"{prefix}_backward_initialized", False)
-
-
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 

@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from lightning_dist import _compat
+from lightning_dist._compat import all_gather_single, reduce_scatter_sum_single
 from lightning_dist.parallel.options import resolve_cp_attention
 from lightning_dist.parallel_dims import check_context_parallel_seq_len
 
@@ -77,16 +78,6 @@ def build_attention(
 
 
 # ------------------------------------------------------------------------------------------------ all-gather
-# torch 2.13's names; older releases have only the ones they deprecate (same arguments). Looked up at each call, not
-# bound once: the telemetry's CommTracker counts cp traffic by replacing torch.distributed's functions while installed.
-def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
 class _AllGather(torch.autograd.Function):
     """All-gather along dim 0 whose backward sums the gradient of every copy into its owner (reduce-scatter)."""
 
@@ -95,14 +86,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         size = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        _reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_sum_single(out, grad.contiguous(), ctx.group)
         return out, None
 
 

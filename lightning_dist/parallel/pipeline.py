@@ -14,7 +14,6 @@ drives it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -267,18 +266,6 @@ def build_schedule(
     if SCHEDULES[name] == 1:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def check_loss_kwargs(schedule: Any, loss_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``loss_kwargs``, once checked that ``schedule.step`` passes them to the loss (torch 2.13 does; older releases
-    would hand them to the model as inputs)."""
-    if "loss_kwargs" not in inspect.signature(schedule.step).parameters:
-        raise ValueError(
-            f"pipeline_spec().split_batch returned loss keyword arguments {sorted(loss_kwargs)}, which this torch's "
-            f"{type(schedule).__name__}.step() cannot pass to loss_fn (no loss_kwargs parameter); use a torch whose "
-            "pipeline schedules take loss_kwargs (2.13 does), or pp=1."
-        )
-    return loss_kwargs
 
 
 def broadcast_loss(loss: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:

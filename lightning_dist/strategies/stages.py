@@ -172,7 +172,7 @@ class PipelineStages:
             for view in views:
                 pipeline.share_buffers(view, model)
         pp_group = dims.group("pp")
-        stages = [PipelineStage(view, sid, num_stages, device, group=pp_group) for view, sid in zip(views, stage_ids)]
+        stages = [_compat.pipeline_stage(view, i, num_stages, device, pp_group) for view, i in zip(views, stage_ids)]
         if ep_spec is not None and ep_spec.load is not None:  # torch's shape inference must not count tokens
             for stage in stages:
                 _compat.around_pipeline_metadata_inference(stage, functools.partial(_unchanged, ep_spec.load))
@@ -214,32 +214,33 @@ class PipelineStages:
     def compute_loss(self, batch: Any) -> Tensor:
         """Run the schedule on ``batch``; return the mean microbatch loss, the same on every pipeline rank."""
         inputs, targets, loss_kwargs = self.spec.split(batch)
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = _compat.stage_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
         pipeline.check_microbatches(
             self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=targets.shape[0]
         )
-        kwargs: dict[str, Any] = {"target": targets if self._owns_last else None}
-        if loss_kwargs:  # passed unchanged to every microbatch's loss_fn (target is cut along dim 0)
-            kwargs["loss_kwargs"] = pipeline.check_loss_kwargs(self.schedule, loss_kwargs)
         losses: list[Tensor] | None = [] if self._owns_last else None
-        kwargs["losses"] = losses
-        self._match_shapes(*args)
-        if self.module.training and torch.is_grad_enabled():
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            earlier = [p.grad for p in params]  # earlier micro steps' gradients (accumulating): put back below
-            for param in params:
-                param.grad = None  # the schedule accumulates into .grad
-            with self.bubble.step(), self._stage_contract():
-                self.schedule.step(*(args if self._owns_first else ()), **kwargs)
-            # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
-            self._grads = [(p, p.grad) for p in params]
-            self._stepped = True
-            for param, grad in zip(params, earlier):
-                param.grad = grad
-        else:
-            self._check_eval()
-            with self._stage_contract():
-                self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
+        kwargs: dict[str, Any] = {"target": targets if self._owns_last else None, "losses": losses}
+        training = self.module.training and torch.is_grad_enabled()
+        self._prepare(args, has_backward=training)
+        # loss_kwargs go unchanged to every microbatch's loss_fn (targets are cut along dim 0)
+        with _compat.schedule_loss_kwargs(self.schedule, loss_kwargs) as loss_kwargs_arg:
+            kwargs.update(loss_kwargs_arg)
+            if training:
+                params = [p for p in self.module.parameters() if p.requires_grad]
+                earlier = [p.grad for p in params]  # earlier micro steps' gradients (accumulating): put back below
+                for param in params:
+                    param.grad = None  # the schedule accumulates into .grad
+                with self.bubble.step(), self._stage_contract():
+                    self.schedule.step(*(args if self._owns_first else ()), **kwargs)
+                # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
+                self._grads = [(p, p.grad) for p in params]
+                self._stepped = True
+                for param, grad in zip(params, earlier):
+                    param.grad = grad
+            else:
+                self._check_eval()
+                with self._stage_contract():
+                    self.schedule.eval(*(args if self._owns_first else ()), **kwargs)
         if losses is not None:
             loss = torch.stack([_local(loss).detach().float() for loss in losses]).mean()
         else:
@@ -271,7 +272,8 @@ class PipelineStages:
         pipeline.check_microbatches(
             self.schedule_name, self.microbatches, self._pp, self._stages_per_rank, batch_size=tensors[0].shape[0]
         )
-        self._match_shapes(*tensors)
+        args = _compat.stage_inputs(args)
+        self._prepare((*args, *kwargs.values()), has_backward=False)
         with _compat.pipeline_outputs_only(self.schedule), self._stage_contract():
             outputs = self.schedule.eval(*(args if self._owns_first else ()), **(kwargs if self._owns_first else {}))
         if outputs is not None:
@@ -293,19 +295,20 @@ class PipelineStages:
         dist.broadcast(outputs, group=self._pp_group, group_src=self._loss_src)
         return outputs
 
-    def _match_shapes(self, *tensors: Any) -> None:
+    def _prepare(self, tensors: tuple[Any, ...], has_backward: bool) -> None:
         """Have the stages size their buffers again when this batch's shapes differ from the last one's (a smaller
-        last batch, another predict batch size, a cp rank's part): the same on every pipeline rank, which all see the
-        batch."""
+        last batch, another predict batch size, a cp rank's part), or when a training step follows eval or the other
+        way round: the same on every pipeline rank, which all see the batch and the mode."""
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors if isinstance(t, Tensor))
         if self._shapes is not None and shapes != self._shapes:
             _compat.reshape_pipeline(self.schedule)
         self._shapes = shapes
+        _compat.follow_train_eval_switch(self.schedule, has_backward)
 
     def _check_eval(self) -> None:
         if self.schedule_name in pipeline.V_SCHEDULES:
             raise ValueError(
-                f"schedule={self.schedule_name}: torch 2.13's eval() fails for V schedules; disable validation "
+                f"schedule={self.schedule_name}: torch's eval() fails for V schedules (2.11, 2.13); disable validation "
                 "(limit_val_batches=0, num_sanity_val_steps=0), or use Interleaved1F1B for validate / test / predict."
             )
 

@@ -9,8 +9,9 @@ module at call time, so replacing those module attributes while a :class:`CommTr
   ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``. FSDP2 (``fully_shard``), FSDP1 and Lightning's
   ``sync_dist`` call these; ``torch.distributed.pipelining`` calls ``isend`` / ``irecv`` / ``batch_isend_irecv``.
 - ``torch.distributed._functional_collectives.<op>`` (private): ``all_reduce``, ``all_gather_single``,
-  ``reduce_scatter_single``, ``all_to_all_single``, ``broadcast``, the coalesced variants: what DTensor's
-  placements and redistribute call (tensor parallelism, loss parallelism).
+  ``reduce_scatter_single`` (torch 2.11: ``all_gather_tensor``, ``reduce_scatter_tensor``), ``all_to_all_single``,
+  ``broadcast``, the coalesced variants: what DTensor's placements and redistribute call (tensor parallelism, loss
+  parallelism).
 - DDP's reducer is C++; :func:`register_ddp_comm_hook` makes it go through ``torch.distributed.all_reduce``
   (torch's own ``allreduce_hook``, the same arithmetic as DDP's built-in all-reduce).
 
@@ -333,11 +334,10 @@ class CommTracker:
         return out
 
     def track_batch_p2p(self, fn: Callable, p2p_ops: list) -> Any:
-        """``batch_isend_irecv``: counted per direction, timed when the caller waits.
-
-        Never wait here: a pipeline schedule posts its sends, computes, and waits later; waiting inside the
-        wrapper would block both neighbours in their sends (a deadlock with gloo).
-        """
+        """``batch_isend_irecv``: counted per direction, timed while it posts the ops (that time shared equally by
+        them: torch 2.11's pipelining posts every batch here, 2.13's posts one-direction ones op by op) and when the
+        caller waits. Never wait here: a pipeline schedule posts its sends, computes, and waits later; waiting
+        inside the wrapper would block both neighbours in their sends (a deadlock with gloo)."""
         if not p2p_ops:
             return fn(p2p_ops)
         axis, _ = self.axis_of(p2p_ops[0].group)
@@ -349,9 +349,15 @@ class CommTracker:
             if self.timing:
                 stats.timed_count += 1
                 stats.timed_bus_bytes += _nbytes(p2p.tensor)
+        start = perf_counter()
         with torch_patches.nested():
             works = fn(p2p_ops)
-        if self.use_cuda_events or not works or not self.timing:
+        if self.use_cuda_events or not self.timing:
+            return works
+        posting_s = (perf_counter() - start) / len(p2p_ops)
+        for direction in directions:
+            self._stats_for(axis, direction).seconds += posting_s
+        if not works:
             return works
         if len(works) == len(p2p_ops):  # gloo: one work per op
             return [_TimedWork(w, self._stats_for(axis, d)) for w, d in zip(works, directions)]
@@ -359,7 +365,6 @@ class CommTracker:
         return [_TimedWork(w, self._stats_for(axis, "recv" if "recv" in directions else "send")) for w in works]
 
 
-# ------------------------------------------------------------------------------------------------------ patching
 # ------------------------------------------------------------------------------------------------------ helpers
 #: Mesh axes in the order their groups are registered: a group object serves several axes only where they span the
 #: same ranks (torch gives every world-spanning axis the default group), and is then named by the first: cp=2 on 2

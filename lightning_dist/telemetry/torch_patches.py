@@ -46,7 +46,8 @@ class Spec(NamedTuple):
 
 
 # torch.distributed functions. all_gather_single / reduce_scatter_single are the torch 2.13 names; the older
-# *_into_tensor / *_tensor names are wrapped only when the new ones do not exist (they are aliases of them).
+# *_into_tensor / *_tensor names (torch 2.11's only ones) are wrapped only when the new ones do not exist (in 2.13 they
+# are deprecated aliases of them).
 C10D_SPECS: dict[str, Spec] = {
     "all_reduce": Spec("all_reduce", 0, "tensor", 2, "group"),
     "broadcast": Spec("broadcast", 0, "tensor", 2, "group"),
@@ -81,6 +82,18 @@ _FUNCOL_FALLBACKS = {
     "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
 }
+
+
+def c10d_name(name: str) -> str:
+    """The name of the ``torch.distributed`` function torch 2.13 calls ``name`` (a key of :data:`C10D_SPECS`) on the
+    installed torch: ``all_gather_single`` is ``all_gather_into_tensor`` on torch 2.11."""
+    return name if hasattr(dist.distributed_c10d, name) else _C10D_FALLBACKS.get(name, name)
+
+
+def funcol_name(name: str) -> str:
+    """The name of the functional collective torch 2.13 calls ``name`` (a key of :data:`FUNCOL_SPECS`) on the
+    installed torch: ``all_gather_single`` is ``all_gather_tensor`` on torch 2.11."""
+    return name if hasattr(functional_collectives_module(), name) else _FUNCOL_FALLBACKS.get(name, name)
 
 
 _HANDLER: Handler | None = None  # the installed tracker; the wrappers read it on every call
@@ -161,7 +174,7 @@ def install(handler: Handler) -> None:
     # the deprecated aliases) call them through c10d's globals, user code and FSDP through torch.distributed.
     # Both must hold the same wrapper or P2POp(dist.isend, ...) fails c10d's `op in [isend, irecv]` check.
     for name, spec in C10D_SPECS.items():
-        name = name if hasattr(c10d, name) else _C10D_FALLBACKS.get(name, name)
+        name = c10d_name(name)
         if not hasattr(c10d, name):
             continue
         wrapper = _wrap(getattr(c10d, name), spec, "p2p" if name in _P2P else "c10d")
@@ -174,7 +187,7 @@ def install(handler: Handler) -> None:
     )
     funcol = functional_collectives_module()
     for name, spec in FUNCOL_SPECS.items():
-        name = name if hasattr(funcol, name) else _FUNCOL_FALLBACKS.get(name, name)
+        name = funcol_name(name)
         if hasattr(funcol, name):
             _set([funcol], name, _wrap(getattr(funcol, name), spec, "funcol"))
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from helpers import FAST, assert_planned, compose_config, losses, run_app
 
 from lightning_dist.run.launch import launch
+from lightning_dist.telemetry.torch_patches import c10d_name
 
 REFERENCE = ["parallelism=fsdp", "cluster.devices=1"]  # data.global_batch_size=8 in one forward
 
@@ -50,8 +51,7 @@ class _ReduceScatters(pl.Callback):
     """Counts FSDP2's gradient reduce-scatters in each optimizer step's backward."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # torch 2.13's FSDP2 calls dist.reduce_scatter_single; older versions reduce_scatter_tensor.
-        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        name = c10d_name("reduce_scatter_single")  # what FSDP2 calls: reduce_scatter_tensor on torch 2.11
         self.calls, original = [0], getattr(dist, name)
 
         def counted(*args, **kwargs):

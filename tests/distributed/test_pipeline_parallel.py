@@ -139,7 +139,9 @@ class Block(nn.Module):
 
 
 class SequentialModel(pl.LightningModule):
-    """Not the GPT: an nn.Sequential of blocks (embedding in front, head behind), described by pipeline_spec()."""
+    """Not the GPT: an nn.Sequential of blocks (embedding in front, head behind), described by pipeline_spec(); its
+    loss takes a keyword argument from the batch (as a masked batch's token normalizer), which pipelining passes as
+    the schedule's loss_kwargs."""
 
     def __init__(self, vocab: int = 32, width: int = 16, depth: int = 4) -> None:
         super().__init__()
@@ -150,16 +152,19 @@ class SequentialModel(pl.LightningModule):
         self.net = nn.Sequential(OrderedDict(layers))
 
     @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return scale * F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    @staticmethod
+    def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        return batch[:, :-1], batch[:, 1:], {"scale": torch.tensor(0.5)}  # a loss without it would be 2x
 
     def compute_loss(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.net(batch[:, :-1]), batch[:, 1:])
+        inputs, targets, loss_kwargs = self.split_batch(batch)
+        return self.loss_fn(self.net(inputs), targets, **loss_kwargs)
 
     def pipeline_spec(self) -> PipelineSpec:
-        return PipelineSpec(
-            model_attr="net", loss_fn=self.loss_fn, split_batch=lambda batch: (batch[:, :-1], batch[:, 1:])
-        )
+        return PipelineSpec(model_attr="net", loss_fn=self.loss_fn, split_batch=self.split_batch)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)

@@ -27,6 +27,7 @@ from lightning_dist._compat import functional_collectives_module
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import CommTracker, OpStats, axis_groups_from_mesh
+from lightning_dist.telemetry.torch_patches import c10d_name, funcol_name
 
 
 def _per_axis(stats: dict[tuple[str, str], OpStats], steps: int) -> dict[str, dict[str, float]]:
@@ -139,11 +140,12 @@ def _fsdp_tp_rank() -> dict[str, Any]:
     base = _measure(CommTracker(groups), step, warmup=2, steps=3)
     funcol = functional_collectives_module()
     is_tp = lambda group: resolver.axis_of(group)[0] == "tp"  # noqa: E731
-    restore = slow_down(funcol, {"all_reduce": 2, "all_gather_single": 2, "reduce_scatter_single": 3}, is_tp)
+    names = {"all_reduce": 2, "all_gather_single": 2, "reduce_scatter_single": 3}  # torch 2.13's, with group positions
+    restore = slow_down(funcol, {funcol_name(name): pos for name, pos in names.items()}, is_tp)
     slow_tp = _measure(CommTracker(groups), step, warmup=0, steps=3)
     restore()
     is_dp = lambda group: resolver.axis_of(group)[0] == "dp"  # noqa: E731
-    restore = slow_down(dist, {"all_gather_single": 2, "reduce_scatter_single": 3, "all_reduce": 2}, is_dp)
+    restore = slow_down(dist, {c10d_name(name): pos for name, pos in names.items()}, is_dp)
     slow_dp = _measure(CommTracker(groups), step, warmup=0, steps=3)
     restore()
     dist.destroy_process_group()

@@ -211,26 +211,42 @@ def verdict(losses: Any, reference: Any) -> str:
     return "exact" if worst <= RTOL else f"differs from one process by {worst:.2g} (relative)"
 
 
+#: Where a run keeps what it has done, so one that stops (a crash, a kill) goes on from there.
+PROGRESS = Path(tempfile.gettempdir()) / "lightning_dist_hf_matrix_progress.json"
+BATCH_FAMILIES = 20  # one-process checks per launch: what a crash can lose
+
+
 def build_matrix(families: list[str], one_process_only: bool = False) -> dict[str, Any]:
-    """Every check of every family (:func:`family_row`), printed as each family ends."""
+    """Every check of every family (:func:`family_row`), printed as each family ends; progress kept in
+    :data:`PROGRESS` (delete it to start over)."""
     import torch
     import transformers
-    from hf_tiny import tiny_config
+    from hf_tiny import resolve_classes
 
     from lightning_dist.models.hf_families import family_matrix
-    from lightning_dist.models.hf_init import causal_lm_class
     from lightning_dist.run.launch import launch
 
-    single = launch(_one_process, 1, families)[0]
-    rows = {}
+    version = transformers.__version__
+    progress = json.loads(PROGRESS.read_text()) if PROGRESS.exists() else {}
+    if progress.get("transformers") != version or progress.get("one_process_only") != one_process_only:
+        progress = {"transformers": version, "one_process_only": one_process_only, "single": {}, "rows": {}}
+    todo = [mt for mt in families if mt not in progress["single"]]
+    for start in range(0, len(todo), BATCH_FAMILIES):
+        progress["single"].update(launch(_one_process, 1, todo[start : start + BATCH_FAMILIES])[0])
+        PROGRESS.write_text(json.dumps(progress))
     for model_type in families:
-        if one_process_only:  # the layouts' cells kept from the committed matrix
-            row = {**family_matrix()["families"][model_type], **{c: single[model_type][c] for c in SINGLE}}
-        else:
-            row = family_row(model_type, single[model_type])
-        rows[model_type] = {"class": causal_lm_class(tiny_config(model_type)).__name__, **row}
-        print(model_type, {k: v if v == "exact" else v[:70] for k, v in rows[model_type].items()}, flush=True)
-    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "families": rows}
+        if model_type not in progress["rows"]:
+            one = progress["single"][model_type]
+            if one_process_only:  # the layouts' cells kept from the committed matrix
+                row = {**family_matrix()["families"][model_type], **{c: one[c] for c in SINGLE}}
+            else:
+                row = family_row(model_type, one)
+            progress["rows"][model_type] = {"class": resolve_classes(model_type)[1].__name__, **row}
+            PROGRESS.write_text(json.dumps(progress))
+        row = progress["rows"][model_type]
+        print(model_type, {k: v if v == "exact" else v[:70] for k, v in row.items()}, flush=True)
+    rows = {mt: progress["rows"][mt] for mt in families}
+    return {"transformers": version, "torch": torch.__version__.split("+")[0], "families": rows}
 
 
 def markdown(matrix: dict[str, Any]) -> str:

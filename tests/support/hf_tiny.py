@@ -335,13 +335,18 @@ def category(mt):
 
 
 def tiny_config(model_type: str) -> Any:
-    """The tiny config of ``model_type`` (dropout off, the attention implementation the family supports)."""
+    """The tiny config of ``model_type``: dropout off, multipliers and logit scaling away from 1 (so that code which
+    skips one shows), the attention implementation the family supports."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config, _, model_class, _, _ = make_config(model_type)
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
+        elif "multiplier" in key and "dim" not in key and isinstance(value, float):
+            setattr(config, key, 0.5)  # muP-style scales (Granite, Falcon-H1): a 1.0 would hide a stage that drops one
+        elif key == "logits_scaling" and isinstance(value, float):
+            setattr(config, key, 2.0)
     config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     return config
 

@@ -44,8 +44,8 @@ def _saved_bytes_and_grads(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     for storage in sac_storages:
-        for outputs in storage.values():
-            for kept in outputs.values():  # a version-checking wrapper around the output, or the output
+        for outputs in storage.values():  # per op: a dict by call index (torch 2.13), a list (torch 2.11)
+            for kept in outputs.values() if isinstance(outputs, dict) else outputs:  # a version wrapper or the output
                 for tensor in torch.utils._pytree.tree_leaves(getattr(kept, "val", kept)):
                     if isinstance(tensor, torch.Tensor):
                         saved += tensor.numel() * tensor.element_size()

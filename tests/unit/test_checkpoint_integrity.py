@@ -12,6 +12,7 @@ import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ SHARD, META = "__0_0.distcp", "meta.pt"
 def _publish(dirpath: Path, steps: list[int]) -> list[Path]:
     """Checkpoints of ``steps`` published by RunCheckpoints, each a real DCP folder of one rank."""
 
-    def save_checkpoint(path: Path) -> None:
+    def save_checkpoint(path: Path, **kwargs: Any) -> None:
         state = {"state_dict": {"w": torch.full((128, 128), float(trainer.global_step))}}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP: no process group, one process
@@ -165,7 +166,7 @@ def test_an_async_save_is_hashed_off_the_step_and_published_once_every_rank_hash
     monkeypatch.setattr(checkpoints, "write_part", recording)
     write = Future()  # DCP's background write, done when the test says so
 
-    def save_checkpoint(path: Path) -> None:
+    def save_checkpoint(path: Path, **kwargs: Any) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             store.save({"state_dict": {"w": torch.ones(64, 64)}}, {}, path, global_rank=0)

@@ -22,8 +22,9 @@ import lightning_dist
 
 PACKAGE = Path(lightning_dist.__file__).resolve().parent
 COMPAT = "lightning_dist._compat"
-#: The modules private APIs may live in: ``_compat.py`` and the parts it re-exports (``_compat_hf.py``).
-COMPAT_FILES = ("_compat.py", "_compat_hf.py")
+#: The modules private APIs may live in: ``_compat.py`` and the parts it re-exports (``_compat_hf.py``,
+#: ``_compat_pipelining.py``).
+COMPAT_FILES = ("_compat.py", "_compat_hf.py", "_compat_pipelining.py")
 
 #: ``(source of the object, attribute)`` pairs that look private but are not, each with why. Keep it short.
 ALLOWED_ATTRIBUTES: dict[tuple[str, str], str] = {
