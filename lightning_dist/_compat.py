@@ -279,6 +279,15 @@ def torch_dispatch_mode() -> type:
     return __import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode
 
 
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row group ``g`` of ``x`` (the rows up to ``offsets[g]``) times ``weight[g]``: ``torch.nn.functional.grouped_mm``
+    where torch has it (2.13), else the private ``torch._grouped_mm`` it wraps (earlier torch)."""
+    import torch
+    import torch.nn.functional as F
+
+    return getattr(F, "grouped_mm", torch._grouped_mm)(x, weight, offs=offsets)
+
+
 # --------------------------------------------------------------------------------------------- nn.Module surgery
 def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
     """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import get_protocol_members
 
 from lightning_dist._compat import module_children
@@ -202,6 +202,30 @@ def declared_cp_spec(module: Any, cp: int) -> ContextParallelSpec | None:
     if check is not None:
         check(cp)
     return spec()
+
+
+def declared_pipeline_spec(module: Any) -> PipelineSpec:
+    """``module``'s ``pipeline_spec()``, checked: it has a loss and its model has a forward a stage can run.
+
+    Raises:
+        ValueError: The module has no ``pipeline_spec()``, its spec no ``loss_fn``, or its model no forward (one line).
+    """
+    spec_fn = module_hook(module, "pipeline_spec")
+    if spec_fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec "
+            "(model, blocks, first/last parts, loss), or set pp=1."
+        )
+    spec: PipelineSpec = spec_fn()
+    if spec.loss_fn is None:
+        raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
+    model = spec.model(module)
+    if spec.stage_forward is None and type(model).forward is nn.Module.forward:
+        raise ValueError(
+            f"pipeline_spec().model_attr={spec.model_attr!r} is a {type(model).__name__}, which has no forward for a "
+            "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
+        )
+    return spec
 
 
 def declared_ep_spec(module: Any, ep: int) -> ExpertParallelSpec | None:

@@ -34,7 +34,7 @@ from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_siz
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
-from lightning_dist.parallel.options import ParallelOptions, check_expert_parallel
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import DEGREES, ParallelDims
 
 
@@ -248,25 +248,15 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
 
 
 def _check_expert_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> None:
-    """The experts split over ep: a model with MoE blocks whose number of experts ep divides."""
+    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config) or a user's model (its own
+    ``expert_parallel_spec()``, checked by the strategy); HuggingFace MoE families are not wired yet."""
     if gpt:
-        if not cfg.model.moe.enabled:
-            raise ValueError(
-                f"parallelism.ep={dims.ep} but the GPT has no MoE blocks; set model.moe.num_experts (e.g. "
-                f"model=moe_tiny) or parallelism.ep=1."
-            )
-        check_expert_parallel(cfg.model.moe.num_experts, dims.ep, "parallelism.")
+        cfg.model.moe.check_expert_parallel(dims.ep)
     elif isinstance(cfg.model, HFModelConfig):
-        # deferred: next to HFCausalLM's expert-parallel spec (test_layering: DEFERRED)
-        from lightning_dist.models.hf_moe import num_experts_of
-
-        experts = num_experts_of(hf_config(cfg.model))
-        if experts is None:
-            raise ValueError(
-                f"parallelism.ep={dims.ep} but model=hf {hf_config(cfg.model).model_type} has no MoE experts; use an "
-                "MoE family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or parallelism.ep=1."
-            )
-        check_expert_parallel(experts, dims.ep, "parallelism.")
+        raise ValueError(
+            f"parallelism.ep={dims.ep} with model=hf: expert parallelism runs the built-in GPT's MoE blocks "
+            "(model.moe.num_experts > 0) and a user's model with expert_parallel_spec(); set parallelism.ep=1."
+        )
 
 
 def _model_name(cfg: TrainConfig) -> str:

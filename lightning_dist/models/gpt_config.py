@@ -57,6 +57,21 @@ class MoEConfig:
         """Whether the model has MoE blocks."""
         return self.num_experts > 0
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise a one-line ``ValueError`` when ``parallelism.ep`` cannot split these experts (no MoE, or ``ep`` does
+        not divide ``num_experts``)."""
+        if ep > 1 and not self.enabled:
+            raise ValueError(
+                f"parallelism.ep={ep} but the GPT has no MoE blocks; set model.moe.num_experts (e.g. model=moe_tiny) "
+                "or parallelism.ep=1."
+            )
+        if ep > 1 and self.num_experts % ep:
+            divisors = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(
+                f"parallelism.ep={ep} does not divide the {self.num_experts} experts of each MoE block "
+                f"(model.moe.num_experts); use an ep in {divisors}."
+            )
+
     def validate(self, n_layers: int) -> None:
         """Raise a one-line ``ValueError`` naming the bad value and a fix."""
         if not self.enabled:

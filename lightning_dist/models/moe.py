@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dist import _compat
 from lightning_dist.models.gpt_config import GPTConfig, MoEConfig
 
 
@@ -94,8 +95,8 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forward networks, weights stacked per expert on dim 0, run on the tokens routed
-    to each: one grouped matrix multiply per projection (``torch.nn.functional.grouped_mm``), or a loop over the
-    experts (the reference, and where the device or dtype has no grouped kernel).
+    to each: one grouped matrix multiply per projection (torch's grouped_mm, read through ``_compat.grouped_mm``), or
+    a loop over the experts (the reference, and where the device or dtype has no grouped kernel).
 
     Args:
         num_experts: E.
@@ -140,9 +141,9 @@ class GroupedExperts(nn.Module):
         gate, up, down = (w.to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         if self.uses_grouped_mm(x):
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,): where each expert's rows end
-            h = F.silu(F.grouped_mm(x, gate.transpose(-2, -1), offs=offsets))  # (R, F)
-            h = h * F.grouped_mm(x, up.transpose(-2, -1), offs=offsets)  # (R, F)
-            return F.grouped_mm(h, down.transpose(-2, -1), offs=offsets)  # (R, C)
+            h = F.silu(_compat.grouped_mm(x, gate.transpose(-2, -1), offsets))  # (R, F)
+            h = h * _compat.grouped_mm(x, up.transpose(-2, -1), offsets)  # (R, F)
+            return _compat.grouped_mm(h, down.transpose(-2, -1), offsets)  # (R, C)
         chunks = x.split(counts.tolist())  # the loop needs the sizes on the host
         outs = [F.linear(F.silu(F.linear(c, g)) * F.linear(c, u), d) for c, g, u, d in zip(chunks, gate, up, down)]
         return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])  # (R, C)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,21 @@ class ExpertParallelSpec:
     experts: tuple[str, ...]
     num_experts: int
     load: Callable[[], Iterable[Tensor]] | None = None
+
+    def relative_to(self, prefix: str) -> ExpertParallelSpec:
+        """This spec with ``prefix`` taken off its patterns (a pipeline stage holds the model under its own name)."""
+        return replace(self, experts=tuple(pattern.removeprefix(prefix) for pattern in self.experts))
+
+    @contextmanager
+    def load_kept(self) -> Iterator[None]:
+        """Put the token counts back as they were on leaving (torch's pipeline stages infer their shapes by running
+        the model, which must not count as routing)."""
+        kept = [(tensor, tensor.clone()) for tensor in (self.load() if self.load is not None else ())]
+        try:
+            yield
+        finally:
+            for tensor, value in kept:
+                tensor.copy_(value)
 
     def modules(self, module: nn.Module) -> dict[str, nn.Module]:
         """The experts modules of ``module`` (a pipeline stage: those it holds), by name."""

@@ -18,7 +18,6 @@ import functools
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dist import _compat
 from lightning_dist._compat import module_children
-from lightning_dist.contract import module_hook
+from lightning_dist.contract import declared_pipeline_spec
 from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
@@ -105,7 +104,7 @@ class PipelineStages:
         """
         schedule, stages_per_rank = options.schedule, options.stages_per_rank
         microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
-        spec = _pipeline_spec(module)
+        spec = declared_pipeline_spec(module)
         if options.loss_chunks and spec.head is None:
             raise ValueError(
                 f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies "
@@ -126,8 +125,7 @@ class PipelineStages:
         if cp_spec is not None:
             cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
         if ep_spec is not None:  # the experts' names relative to the split model, as the stages hold them
-            prefix = f"{spec.model_attr}."
-            ep_spec = replace(ep_spec, experts=tuple(p.removeprefix(prefix) for p in ep_spec.experts))
+            ep_spec = ep_spec.relative_to(f"{spec.model_attr}.")
         stage_of = tied.stage_of_name(spec, keys, groups)
         stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
         if stage_ties and dims.tp_enabled:
@@ -175,7 +173,7 @@ class PipelineStages:
         stages = [_compat.pipeline_stage(view, i, num_stages, device, pp_group) for view, i in zip(views, stage_ids)]
         if ep_spec is not None and ep_spec.load is not None:  # torch's shape inference must not count tokens
             for stage in stages:
-                _compat.around_pipeline_metadata_inference(stage, functools.partial(_unchanged, ep_spec.load))
+                _compat.around_pipeline_metadata_inference(stage, ep_spec.load_kept)
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
@@ -385,36 +383,6 @@ class PipelinedModel:
         if name == "_stages":  # not set yet (copy / unpickle): no recursion
             raise AttributeError(name)
         return getattr(self._stages.spec.model(self._stages.module), name)
-
-
-def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
-    spec_fn = module_hook(module, "pipeline_spec")
-    if spec_fn is None:
-        raise ValueError(
-            f"{type(module).__name__} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec "
-            "(model, blocks, first/last parts, loss), or set pp=1."
-        )
-    spec: pipeline.PipelineSpec = spec_fn()
-    if spec.loss_fn is None:
-        raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
-    model = spec.model(module)
-    if spec.stage_forward is None and type(model).forward is nn.Module.forward:
-        raise ValueError(
-            f"pipeline_spec().model_attr={spec.model_attr!r} is a {type(model).__name__}, which has no forward for a "
-            "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
-        )
-    return spec
-
-
-@contextmanager
-def _unchanged(tensors: Any) -> Iterator[None]:
-    """Put the values of ``tensors()`` back as they were (after torch ran a stage on empty tensors)."""
-    kept = [(tensor, tensor.clone()) for tensor in tensors()]
-    try:
-        yield
-    finally:
-        for tensor, value in kept:
-            tensor.copy_(value)
 
 
 def _local(tensor: Tensor) -> Tensor:
