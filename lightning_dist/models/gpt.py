@@ -304,7 +304,7 @@ class GPT(nn.Module):
         self.tie_weights()
         self.reset_rope_buffers()
         for name, buffer in self.named_buffers():
-            if name.endswith(("router.expert_bias", "router.tokens_per_expert")):
+            if name.endswith(("router.expert_bias", "router.tokens_per_expert", "router.loss_sums")):
                 buffer.zero_()  # after to_empty (a meta-device build) they hold whatever the memory held
         cfg = self.config
         for name, param in self.named_parameters():

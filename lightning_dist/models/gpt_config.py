@@ -47,6 +47,15 @@ class MoEConfig:
     after each optimizer step every expert's routing bias moves by this much toward the mean load (up when it got
     fewer tokens than the mean over the global batch, down when more); the bias only picks experts, the scores stay
     unbiased. 0 = off."""
+    aux_loss_coef: float = 0.0
+    """Sequence-wise load-balancing loss (DeepSeek-V3's complementary loss; Switch Transformer's f x P taken per
+    sequence): coef x E x sum_e f_e P_e averaged over the sequences, f_e the share of a sequence's routed tokens sent
+    to expert e and P_e its mean (normalized) score. Per sequence, so any split of the batch over ranks and micro
+    batches gives the same loss (not under parallelism.cp, which splits a sequence). Added to the gradient, logged
+    as moe/aux_loss/<block> (train/loss stays the cross-entropy). 0 = off."""
+    z_loss_coef: float = 0.0
+    """Router z-loss (ST-MoE): coef x the mean over tokens of logsumexp(router logits)^2, keeping the logits small.
+    Added to the gradient, logged as moe/z_loss/<block>. 0 = off."""
     expert_compute: str = "auto"
     """How the experts run: grouped_mm (torch's grouped matrix multiply, one kernel for all experts), loop (one
     matmul per expert: the reference) or auto (grouped_mm where the device and dtype take it: CUDA bf16 on SM 8.0+,
@@ -95,6 +104,9 @@ class MoEConfig:
             raise ValueError(f"model.moe.route_scale={self.route_scale} must be positive (1.0 = unscaled).")
         if self.balance_rate < 0:
             raise ValueError(f"model.moe.balance_rate={self.balance_rate} must be >= 0 (0 = no balancing).")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.moe.{name}={getattr(self, name)} must be >= 0 (0 = off).")
         if self.expert_compute not in EXPERT_COMPUTES:
             raise ValueError(
                 f"model.moe.expert_compute={self.expert_compute!r} is unknown; use one of {list(EXPERT_COMPUTES)}."

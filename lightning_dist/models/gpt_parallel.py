@@ -38,6 +38,12 @@ def check_context_parallel(cfg: GPTConfig, cp: int) -> None:
     if cp > 1 and cfg.arch != "llama":
         # gpt2's learned position embedding is looked up by arange(T) inside forward: no table to re-index.
         raise ValueError(f"cp={cp} with model.arch={cfg.arch!r}: context parallelism supports arch=llama; set cp=1.")
+    if cp > 1 and cfg.moe.enabled and cfg.moe.aux_loss_coef > 0:
+        raise ValueError(
+            f"cp={cp} with model.moe.aux_loss_coef={cfg.moe.aux_loss_coef}: the sequence-wise balance loss needs each "
+            "sequence whole, which cp splits; set model.moe.aux_loss_coef=0 (the bias balancing and the z-loss run "
+            "under cp) or cp=1."
+        )
 
 
 def gpt_context_parallel_spec(prefix: str) -> ContextParallelSpec:

@@ -25,7 +25,7 @@ from lightning_dist.models.gpt_parallel import (
     gpt_tensor_parallel_plan,
 )
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
-from lightning_dist.models.moe import load_stats, update_expert_bias
+from lightning_dist.models.moe import load_stats, moe_layers, update_expert_bias
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.expert import ExpertParallelSpec
@@ -164,6 +164,17 @@ class GPTModule(pl.LightningModule):
         """The GPT's MoE experts and its routers' token counts (``None`` for a dense GPT)."""
         return gpt_expert_parallel_spec("model.", self.model_config, self.model)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Tell the MoE blocks how the trainer scales the loss before its backward, for the balance and z losses they
+        add to the gradient themselves (``moe.AddLoss``): ``1 / k`` under gradient accumulation over ``k`` batches,
+        where Lightning divides the loss; 1 under a pipeline, whose gradients are scaled after the backward."""
+        if self.model is None or not self.model_config.moe.enabled:
+            return
+        pipelined = getattr(getattr(self.trainer.strategy, "parallel_dims", None), "pp", 1) > 1
+        scale = 1.0 if pipelined else 1.0 / self.trainer.accumulate_grad_batches
+        for layer in moe_layers(self.model).values():
+            layer.loss_scale = scale
+
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Balance the MoE experts: each router's bias steps toward the global batch's mean load (the strategy summed
         the counts over the data-parallel ranks); the load imbalance is logged on logging steps only."""
@@ -176,9 +187,9 @@ class GPTModule(pl.LightningModule):
                 f"{type(self.trainer.strategy).__name__} does not sum over its ranks (each rank would drift its own "
                 "way); use lightning_dist's MeshStrategy or DataParallelStrategy, or model.moe.balance_rate=0."
             )
-        shares = update_expert_bias(self.model)
+        shares, losses = update_expert_bias(self.model)
         if _compat.logs_this_step(self.trainer):
-            for key, value in load_stats(shares).items():  # the same on every data-parallel rank: no sync_dist
+            for key, value in load_stats(shares, losses).items():  # the same on every data-parallel rank: no sync_dist
                 self.log(key, value)
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,18 +53,24 @@ class Router(nn.Module):
         self.route_norm = moe.route_norm
         self.route_scale = moe.route_scale
         self.balance_rate = moe.balance_rate
-        # The balancing bias is state (checkpointed); the counts are the current step's (summed, then reset).
+        self.aux_loss_coef = moe.aux_loss_coef
+        self.z_loss_coef = moe.z_loss_coef
+        # The balancing bias is state (checkpointed); the counts are the current step's (summed, then reset), and so
+        # are the sums of the step's balance and z losses with the number of forwards they came from (for logging).
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(3), persistent=False)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, batch_size: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
         """Pick experts for each token.
 
         Args:
-            x: Tokens, shape (N, C).
+            x: Tokens, shape (N, C): ``batch_size`` sequences of ``N / batch_size`` tokens, one after the other.
+            batch_size: B, for the sequence-wise balance loss.
 
         Returns:
-            ``(top_k_index, top_k_weights)``: expert ids (N, K) and their weights (N, K, float32).
+            ``(top_k_index, top_k_weights, losses)``: expert ids (N, K), their weights (N, K, float32), and the
+            balance loss plus the z-loss (coefficients applied; 0-dim), or ``None`` when both are off or not training.
         """
         logits = self.gate(x).float()  # (N, E): scores in float32, as the balance of near-equal experts is fragile
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()  # (N, E)
@@ -77,7 +84,27 @@ class Router(nn.Module):
             # Counted when the backward reaches the weights: only forwards that are trained count (not a pipeline's
             # shape inference, nor the recomputed forward of activation checkpointing, nor validation).
             weights.register_hook(functools.partial(self._count, index.reshape(-1)))
-        return index, weights
+        losses = None
+        if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
+            losses = self._balance_losses(logits, scores, index, batch_size)
+        return index, weights, losses
+
+    def _balance_losses(self, logits: Tensor, scores: Tensor, index: Tensor, batch_size: int) -> Tensor:
+        """``aux_loss_coef x`` the sequence-wise balance loss plus ``z_loss_coef x`` the z-loss (see ``MoEConfig``);
+        their values, and that one forward made them, are added to ``loss_sums`` when the backward passes."""
+        N, E = scores.shape
+        aux = z = logits.new_zeros(())
+        if self.aux_loss_coef > 0:
+            B, K = batch_size, self.top_k
+            counts = torch.zeros(B, E, device=logits.device).scatter_add_(  # (B, E): routed tokens per sequence
+                1, index.reshape(B, -1), torch.ones(B, (N // B) * K, device=logits.device)
+            )
+            f = counts * (E / (K * (N // B)))  # (B, E): 1 where a sequence's tokens are spread evenly
+            p = (scores / scores.sum(-1, keepdim=True)).reshape(B, N // B, E).mean(1)  # (B, E)
+            aux = self.aux_loss_coef * (f * p).sum(-1).mean()
+        if self.z_loss_coef > 0:
+            z = self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        return LossSums.apply(aux + z, torch.stack([aux.detach(), z.detach()]), self.loss_sums)
 
     @torch.no_grad()
     def _count(self, experts: Tensor, grad: Tensor) -> None:
@@ -91,6 +118,40 @@ class Router(nn.Module):
         if self.balance_rate > 0:
             delta = self.balance_rate * torch.sign(load.mean() - load)
             self.expert_bias.add_(delta - delta.mean())
+
+
+class LossSums(torch.autograd.Function):
+    """The identity on a loss; its backward adds ``values`` and a count of one to ``sums`` (a trained forward's
+    balance and z losses, for logging: counted only where a backward runs, as the routers' token counts are)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, values: Tensor, sums: Tensor) -> Tensor:
+        ctx.values, ctx.sums = values, sums
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.sums.add_(torch.cat([ctx.values, ctx.values.new_ones(1)]))
+        return grad, None, None
+
+
+class AddLoss(torch.autograd.Function):
+    """``out`` unchanged, with ``loss`` added to the gradient: its backward passes ``out``'s gradient through and gives
+    ``loss`` the gradient ``scale`` (Megatron's ``MoEAuxLossAutoScaler``), so a loss made inside the model reaches the
+    parameters without the model returning it (a pipeline stage's output is its activations only).
+
+    ``scale`` is what the trainer multiplies the model's loss by before its backward (``1 / k`` under Lightning's
+    gradient accumulation over ``k`` batches; 1 where gradients are scaled after the backward, as a pipeline's are).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
 
 
 class GroupedExperts(nn.Module):
@@ -190,14 +251,18 @@ class MoE(nn.Module):
         self.router = Router(cfg.d_model, cfg.moe)
         self.experts = GroupedExperts(cfg.moe.num_experts, cfg.d_model, cfg.expert_hidden, cfg.moe.expert_compute)
         self.shared = shared
+        #: The factor the trainer applies to the loss before its backward (see :class:`AddLoss`); set by the module.
+        self.loss_scale = 1.0
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)  # (N, C)
-        top_k_index, top_k_weights = self.router(tokens)  # (N, K) each
+        top_k_index, top_k_weights, losses = self.router(tokens, B)  # (N, K) each
         out = self.experts(tokens, top_k_index, top_k_weights)  # (N, C)
         if self.shared is not None:
             out = out + self.shared(tokens)  # (N, C)
+        if losses is not None:  # the balance and z losses join the gradient here
+            out = AddLoss.apply(out, losses, self.loss_scale)
         return out.view(B, T, C)
 
 
@@ -210,32 +275,45 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
 def expert_load(model: nn.Module) -> Iterator[Tensor]:
     """The routers' token counts of the step so far (each (E,), in place): what a strategy sums over the data-parallel
     ranks before :func:`update_expert_bias` reads them."""
-    return (layer.router.tokens_per_expert for layer in moe_layers(model).values())
+    for layer in moe_layers(model).values():
+        yield layer.router.tokens_per_expert
+        yield layer.router.loss_sums
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module) -> dict[str, Tensor]:
-    """Step every router's balancing bias from its counts (the global batch's, once summed), then reset the counts.
+def update_expert_bias(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Step every router's balancing bias from its counts (the global batch's, once summed), then reset the counts
+    and the loss sums.
 
     Returns:
-        Each MoE block's share of the routed tokens per expert, (E,) fractions, on the device: read them only when
-        logging.
+        Each MoE block's share of the routed tokens per expert, (E,) fractions, and the step's mean balance and z
+        losses of the blocks that have them (``aux_loss/<block>``, ``z_loss/<block>``), on the device: read them only
+        when logging.
     """
-    shares = {}
+    shares: dict[str, Tensor] = {}
+    losses: dict[str, Tensor] = {}
     for name, layer in moe_layers(model).items():
         load = layer.router.tokens_per_expert
         layer.router.update_bias(load)
         shares[name] = load / load.sum().clamp(min=1)  # a new tensor: kept when the counts are zeroed
         load.zero_()  # in place: a pipeline stage's copy of the router shares the tensor
-    return shares
+        router, sums = layer.router, layer.router.loss_sums
+        means = sums[:2] / sums[2].clamp(min=1)  # the step's mean balance and z losses of the block
+        for i, (key, coef) in enumerate((("aux_loss", router.aux_loss_coef), ("z_loss", router.z_loss_coef))):
+            if coef > 0:
+                losses[f"{key}/{name}"] = means[i]
+        sums.zero_()
+    return shares, losses
 
 
-def load_stats(shares: dict[str, Tensor]) -> dict[str, Tensor]:
+def load_stats(shares: dict[str, Tensor], losses: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Metrics of the routing (device tensors): per block, the busiest expert's load over the mean (1 = balanced,
-    E = every token on one expert), and its mean and maximum over the blocks."""
+    E = every token on one expert), and its mean and maximum over the blocks; per block, the step's balance and z
+    losses (coefficients applied) where they are on."""
     imbalance = {name: share.max() * share.numel() for name, share in shares.items()}
     if not imbalance:
         return {}
     values = torch.stack(list(imbalance.values()))
     stats = {f"moe/imbalance/{name}": value for name, value in imbalance.items()}
+    stats.update({f"moe/{key}": value for key, value in (losses or {}).items()})
     return {"moe/imbalance": values.mean(), "moe/imbalance_max": values.max(), **stats}

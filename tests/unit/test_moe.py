@@ -78,9 +78,9 @@ def test_grouped_mm_refused_where_it_has_no_kernel_is_one_line():
 def test_the_balancing_bias_picks_experts_but_never_weighs_them():
     router = Router(16, MoEConfig(num_experts=4, top_k=1, balance_rate=0.1, route_norm=False)).double()
     x = torch.randn(8, 16, dtype=torch.float64)
-    index, weights = router(x)
+    index, weights, _ = router(x)
     router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 now wins every token
-    biased_index, biased_weights = router(x)
+    biased_index, biased_weights, _ = router(x)
     assert (biased_index == 3).all()
     scores = router.gate(x).softmax(-1)
     torch.testing.assert_close(biased_weights, scores[:, 3:].float())  # its unbiased score
@@ -92,7 +92,7 @@ def test_update_expert_bias_moves_toward_the_mean_load_and_resets_the_counts():
     model.init_weights(0)
     router = model.layers["0"].moe.router
     router.tokens_per_expert.copy_(torch.tensor([8.0, 0.0, 4.0, 4.0]))
-    shares = update_expert_bias(model)
+    shares, _ = update_expert_bias(model)
     rate = MOE.balance_rate
     torch.testing.assert_close(router.expert_bias, torch.tensor([-1.0, 1.0, 0.0, 0.0]) * rate)
     assert router.tokens_per_expert.eq(0).all()
@@ -118,6 +118,9 @@ def test_active_parameters_leave_out_the_experts_a_token_skips():
         (["model=moe_tiny", "model.arch=gpt2"], r"^model.moe.num_experts=8 with model.arch='gpt2': .* SwiGLU"),
         (["model=moe_tiny", "model.moe.score_func=relu"], r"^model.moe.score_func='relu' is unknown"),
         (["model=moe_tiny", "parallelism.compile=true"], r"^parallelism.compile=true with parallelism.ep=2"),
+        (["model=moe_tiny", "model.moe.aux_loss_coef=0.01", "parallelism.ep=1", "parallelism.cp=2"],
+         r"^cp=2 with model.moe.aux_loss_coef=0.01: the sequence-wise balance loss needs each sequence whole"),
+        (["model=moe_tiny", "model.moe.z_loss_coef=-1"], r"^model.moe.z_loss_coef=-1.0 must be >= 0"),
     ],
 )  # fmt: skip
 def test_an_moe_config_that_cannot_run_is_one_line(overrides, message):
