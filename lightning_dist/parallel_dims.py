@@ -134,7 +134,8 @@ class ParallelDims:
             raise ValueError(f"ep={self.ep} must be >= 1; use ep=1 to turn expert parallelism off.")
         if self.dp_shard % self.ep:
             raise ValueError(
-                f"ep={self.ep} does not divide dp_shard={self.dp_shard}: the expert-parallel ranks are data-parallel "
+                f"ep={self.ep} does not divide dp_shard={self.dp_shard} (world_size={self.world_size}): the "
+                "expert-parallel ranks are data-parallel "
                 f"(FSDP2) ranks that split the experts; use an ep dividing dp_shard, or raise dp_shard (dp_shard=-1 "
                 "takes the rest of the world size)."
             )

@@ -113,7 +113,7 @@ def test_active_parameters_leave_out_the_experts_a_token_skips():
          r"^parallelism.ep=3 does not divide the 8 experts of each MoE block \(model.moe.num_experts\); use an ep in "
          r"\[1, 2, 4, 8\]\.$"),
         (["model=moe_tiny", "parallelism=tp_fsdp", "parallelism.ep=2", "parallelism.tp=2", "parallelism.dp_shard=1"],
-         r"^ep=2 does not divide dp_shard=1: .* use an ep dividing dp_shard"),
+         r"^ep=2 does not divide dp_shard=1 \(world_size=2\): .* use an ep dividing dp_shard"),
         (["model=moe_tiny", "model.moe.top_k=9"], r"^model.moe.top_k=9 must be in \[1, model.moe.num_experts=8\]\.$"),
         (["model=moe_tiny", "model.arch=gpt2"], r"^model.moe.num_experts=8 with model.arch='gpt2': .* SwiGLU"),
         (["model=moe_tiny", "model.moe.score_func=relu"], r"^model.moe.score_func='relu' is unknown"),
