@@ -22,8 +22,13 @@ from lightning_dist import MeshStrategy
 from lightning_dist.models.gpt import GPTConfig, MoEConfig
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
+from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.plan.collectives import per_axis
+from lightning_dist.plan.experts import expert_collectives
+from lightning_dist.plan.layout import Layout
 from lightning_dist.run.launch import launch
+from lightning_dist.telemetry import Telemetry
 
 SEQ, BATCH, STEPS = 32, 8, 3
 # 4 experts, 2 per token, one shared expert; a balancing rate large enough that the biases change the routing, and
@@ -46,6 +51,7 @@ class Record(pl.Callback):
         self.grads: list[dict[str, np.ndarray]] = []
         self.params: dict[str, np.ndarray] = {}
         self.biases: dict[str, np.ndarray] = {}
+        self.all_to_all: list[tuple[int, int]] = []  # the telemetry's ep all-to-all (bytes, calls) so far, per step
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: _whole(p.grad).detach().numpy().copy() for n, p in pl_module.named_parameters()})
@@ -56,6 +62,9 @@ class Record(pl.Callback):
         metrics = trainer.callback_metrics
         self.losses.append(float(metrics["train/loss"]))
         self.norms.append(float(metrics["train/grad_norm"]))
+        (telemetry,) = (c for c in trainer.callbacks if isinstance(c, Telemetry))
+        ep = telemetry.tracker.stats.get(("ep", "all_to_all")) if telemetry.tracker is not None else None  # 1 rank
+        self.all_to_all.append((ep.bytes, ep.count) if ep is not None else (0, 0))
         # per MoE block: imbalance, balance loss and z-loss (a pipeline rank logs its stage's blocks)
         self.imbalance.append({k: float(v) for k, v in metrics.items() if k.startswith("moe/") and k.count("/") > 1})
 
@@ -83,6 +92,8 @@ def _fit(
     callbacks: list[pl.Callback] = [record]
     if save is not None:
         callbacks.append(ModelCheckpoint(dirpath=save, every_n_train_steps=steps))
+    telemetry = Telemetry(log_every_n_steps=1, print_summary=False)
+    callbacks.append(telemetry)
     strategy = MeshStrategy(**degrees, **(options or {}))
     trainer = quiet_trainer(strategy, devices, steps, callbacks, precision="32-true", enable_checkpointing=bool(save),
                             accumulate_grad_batches=accumulate)  # fmt: skip
@@ -92,7 +103,11 @@ def _fit(
     val_loss = float(trainer.validate(trainer.lightning_module, _loader(dp), verbose=False)[0]["val/loss"])
     describe = "\n".join(strategy.describe().lines())
     kept = ("losses", "norms", "imbalance", "grads", "params", "biases")
-    return {**{key: getattr(record, key) for key in kept}, "val_loss": val_loss, "describe": describe}
+    # Per step: the all-to-alls only (the test's own full_tensor() reads of the experts also gather over ep)
+    ep = [
+        {"bytes": b - pb, "calls": c - pc} for (b, c), (pb, pc) in zip(record.all_to_all, [(0, 0), *record.all_to_all])
+    ]
+    return {**{key: getattr(record, key) for key in kept}, "val_loss": val_loss, "describe": describe, "ep": ep}
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -207,3 +222,32 @@ def test_an_ep2_checkpoint_resumes_under_ep4(four_ranks: list, one_rank: dict) -
     for rank in four_ranks:
         _assert_same_run(rank["ep2->ep4"], one_rank["resumed"], steps=1)
     assert "experts split over ep=4 (1 per rank)" in four_ranks[0]["ep2->ep4"]["describe"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "ranks", "degrees", "options"),
+    [("ep2", 2, {"dp_shard": 2, "ep": 2}, {}),
+     ("ep2-ac", 2, {"dp_shard": 2, "ep": 2}, {"activation_checkpointing": "full"}),
+     ("ep2xfsdp2", 4, {"dp_shard": 4, "ep": 2}, {}),
+     ("ep2xtp2", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, {}),
+     ("pp2xep2", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, {})],
+)  # fmt: skip
+def test_the_ep_all_to_all_bytes_are_the_planned_ones(layout, ranks, degrees, options, two_ranks, four_ranks) -> None:
+    """The telemetry's all-to-all bytes and calls on ``ep`` of every step, averaged over an ep group's ranks (a rank's
+    own count follows the routing), are the planner's: the counts, the rows both ways, their gradients, a recomputed
+    forward's. A pipeline's first step also runs torch's shape inference through its stage (compared from step 2)."""
+    runs, dims = (two_ranks if ranks == 2 else four_ranks), ParallelDims(ranks, **degrees)
+    options = ParallelOptions(**options).for_mesh()
+    micro_batch = BATCH // dims.dp_size // (options.num_microbatches(dims.pp) if dims.pp > 1 else 1)
+    for rank in range(ranks):
+        coords = dims.coordinates(rank)
+        group = [r for r in range(ranks) if {k: v for k, v in dims.coordinates(r).items() if k != "dp_shard"} ==
+                 {k: v for k, v in coords.items() if k != "dp_shard"} and dims.coordinates(r)["dp_shard"] // dims.ep
+                 == coords["dp_shard"] // dims.ep]  # fmt: skip
+        lay = Layout(dims, options, micro_batch=micro_batch)
+        planned = per_axis(expert_collectives(MODEL, lay, SEQ, "32-true", coords["pp"]))["ep"]
+        assert planned["bytes"] > 0 and len(group) == dims.ep
+        for step in range(1 if dims.pp > 1 else 0, STEPS):
+            for kind in ("bytes", "calls"):
+                measured = np.mean([runs[r][layout]["ep"][step][kind] for r in group])
+                assert measured == planned[kind], f"rank {rank} step {step} {kind}: {measured} != {planned[kind]}"
