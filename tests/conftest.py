@@ -11,6 +11,17 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 
+@pytest.fixture(autouse=True)
+def _no_launcher_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without the rank variables an earlier test's in-process Lightning run left in this worker
+    (``MASTER_PORT`` among them, whose port that run's store may still hold): a job the test starts in a child
+    process (submitit's tasks, a benchmark) would otherwise take them and fail to listen there (EADDRINUSE)."""
+    from helpers import LAUNCH_VARS
+
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

@@ -270,14 +270,23 @@ def test_cp2_with_tp2_fsdp2_or_pp2_matches_one_process(layout: str, four_ranks: 
 
 
 def test_models_the_cp_attention_cannot_serve_are_refused() -> None:
+    """Attention is found by module (GPT-2's ``transformer.h.*.attn`` as Llama's ``self_attn``); what cannot be served
+    (sliding windows, a family the matrix found inexact under cp2, as ALiBi's Bloom) is refused in one line."""
+    import transformers
+
     gpt2 = HFCausalLM(_config("GPT2", n_embd=32, n_layer=2, n_head=4, n_positions=SEQ))
-    with pytest.raises(ValueError, match=r"^cp=2 with a HuggingFace 'gpt2' model: .* set cp=1\.$"):
-        declared_cp_spec(gpt2, 2)
+    gpt2.configure_model()
+    assert declared_cp_spec(gpt2, 2).attention == ("model.transformer.h.*.attn",)
     window = HFCausalLM(_config("Mistral", sliding_window=8))
     with pytest.raises(ValueError, match=r"^cp=2 with sliding_window=8: .* or cp=1\.$"):
         declared_cp_spec(window, 2)
+    bloom = HFCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4))
+    with pytest.raises(ValueError, match=r"^parallelism.cp=2 with model=hf 'bloom': not exact .*cp2: differs"):
+        declared_cp_spec(bloom, 2)
     for family, extra in (("Qwen2", {}), ("Mistral", {"sliding_window": None})):
-        spec = declared_cp_spec(HFCausalLM(_config(family, **extra)), 2)
+        model = HFCausalLM(_config(family, **extra))
+        model.configure_model()
+        spec = declared_cp_spec(model, 2)
         assert spec.attention == ("model.model.layers.*.self_attn",) and spec.position_ids == "model"
 
 

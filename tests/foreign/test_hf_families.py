@@ -28,6 +28,8 @@ from lightning_dist.config.validate import validate
 from lightning_dist.models.hf_families import family_matrix
 from lightning_dist.run.launch import launch
 
+HF_FAST = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
+
 #: (family, layout) pairs run here on every test run; the whole matrix is `hf_matrix.py`'s (about 15 minutes).
 CURATED = [("gemma2", "pp2"), ("gemma2", "tp2"), ("gemma3_text", "pp2"), ("granite", "pp2"), ("mistral", "pp2"),
            ("olmo", "pp2"), ("qwen3", "tp2"), ("phi3", "tp2"), ("olmo2", "tp2"), ("gpt_neox", "fsdp2")]  # fmt: skip
@@ -99,7 +101,7 @@ def _config_dir(family: str, folder: Path) -> str:
     ],
 )
 def test_a_refused_family_layout_is_one_line_before_launch(family: str, layout: str, message: str, tmp_path: Path):
-    overrides = [*FAST, "model=hf", f"model.config={_config_dir(family, tmp_path / 'config')}", layout]
+    overrides = [*HF_FAST, f"model.config={_config_dir(family, tmp_path / 'config')}", layout]
     if family == "gemma2":
         overrides.append("model.attn_implementation=sdpa")
     with pytest.raises(ValueError, match=message):
@@ -112,7 +114,7 @@ def test_a_family_the_matrix_does_not_list_is_refused_unless_asked(tmp_path: Pat
     config = _config_dir("llama", tmp_path / "config")
     rows = {k: v for k, v in family_matrix()["families"].items() if k != "llama"}
     monkeypatch.setattr(hf_families, "family_matrix", lambda: {**family_matrix(), "families": rows})
-    overrides = [*FAST, "model=hf", f"model.config={config}", "parallelism=fsdp"]
+    overrides = [*HF_FAST, f"model.config={config}", "parallelism=fsdp"]
     with pytest.raises(ValueError, match=r"'llama' is not in the family matrix .* model.allow_untested_family=true"):
         validate(compose_config(overrides))
     validate(compose_config([*overrides, "model.allow_untested_family=true"]))
@@ -121,7 +123,7 @@ def test_a_family_the_matrix_does_not_list_is_refused_unless_asked(tmp_path: Pat
 def test_a_tensor_parallel_plan_from_the_command_line(tmp_path: Path) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text("model.model.layers.*.self_attn.q_proj: colwise\nmodel.model.layers.*.self_attn.o_proj: rowwise\n")
-    overrides = [*FAST, "model=hf", "model.config=tiny_llama", "parallelism=tp", f"parallelism.tp_plan={plan}"]
+    overrides = [*HF_FAST, "model.config=tiny_llama", "parallelism=tp", f"parallelism.tp_plan={plan}"]
     assert dict(validate(compose_config(overrides)).options.plan) == {
         "model.model.layers.*.self_attn.q_proj": "colwise",
         "model.model.layers.*.self_attn.o_proj": "rowwise",

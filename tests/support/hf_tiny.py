@@ -334,9 +334,11 @@ def category(mt):
     return "decoder-only"
 
 
-def tiny_config(model_type: str) -> Any:
-    """The tiny config of ``model_type``: dropout off, multipliers and logit scaling away from 1 (so that code which
-    skips one shows), the attention implementation the family supports."""
+def tiny_config(model_type: str, windowless: bool = False) -> Any:
+    """The tiny config of ``model_type``: dropout off, multipliers and logit scaling away from 1 and soft-caps low
+    (so that code which skips one shows), the attention implementation the family supports; ``windowless``: its
+    sliding windows off (every layer full attention), as context parallelism asks of a config (a window there is
+    refused by the config's own one-line check, whatever the family)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config, _, model_class, _, _ = make_config(model_type)
@@ -347,6 +349,16 @@ def tiny_config(model_type: str) -> Any:
             setattr(config, key, 0.5)  # muP-style scales (Granite, Falcon-H1): a 1.0 would hide a stage that drops one
         elif key == "logits_scaling" and isinstance(value, float):
             setattr(config, key, 2.0)
+        elif key.endswith("softcapping") and isinstance(value, (int, float)) and value:
+            setattr(config, key, 0.5)  # Gemma2's 30 / 50 leave a tiny model's logits and scores as they are
+    if windowless:
+        for key in ("sliding_window", "sliding_window_size"):
+            if getattr(config, key, None) is not None:
+                setattr(config, key, None)
+        if getattr(config, "use_sliding_window", None):
+            config.use_sliding_window = False
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = [t.replace("sliding_attention", "full_attention") for t in config.layer_types]
     config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     return config
 
