@@ -124,6 +124,12 @@ class PipelineStages:
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
         if cp_spec is not None:
             cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
+        if ep_spec is not None and dims.ep_enabled and not _compat.infers_stage_shapes_on_real_tensors():
+            raise ValueError(
+                f"pp={dims.pp} with ep={dims.ep} needs torch >= 2.13: torch {torch.__version__} infers a stage's "
+                "shapes on meta tensors, which the experts' all-to-all cannot exchange; upgrade torch, or set pp=1 or "
+                "ep=1."
+            )
         if ep_spec is not None:  # the experts' names relative to the split model, as the stages hold them
             ep_spec = ep_spec.relative_to(f"{spec.model_attr}.")
         stage_of = tied.stage_of_name(spec, keys, groups)

@@ -134,3 +134,15 @@ def test_parallelism_ep_composes_with_moe_tiny():
     assert (valid.dims.ep, valid.dims.dp_shard, valid.cfg.model.moe.num_experts) == (2, 4, 8)
     assert ParallelDims(4, dp_shard=4, ep=2).coordinates(3)["dp_shard"] == 3  # dp_shard = (efsdp, ep), ep inside
     assert [ParallelDims(4, dp_shard=4, ep=2).ep_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_pp_with_ep_knows_whether_torch_infers_stage_shapes_on_real_tensors(monkeypatch):
+    """torch 2.13 runs a stage on empty real tensors to infer its shapes (the all-to-all can run); 2.11 on meta tensors,
+    where the strategy refuses pp x ep in one line (strategies/stages.py)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_dist import _compat
+
+    assert _compat.infers_stage_shapes_on_real_tensors() == hasattr(PipelineStage, "_forward_metadata_inference")
+    monkeypatch.delattr(PipelineStage, "_forward_metadata_inference", raising=False)
+    assert not _compat.infers_stage_shapes_on_real_tensors()
