@@ -51,7 +51,11 @@ class Record(pl.Callback):
         self.grads: list[dict[str, np.ndarray]] = []
         self.params: dict[str, np.ndarray] = {}
         self.biases: dict[str, np.ndarray] = {}
+        self.start_biases: dict[str, np.ndarray] = {}
         self.all_to_all: list[tuple[int, int]] = []  # the telemetry's ep all-to-all (bytes, calls) so far, per step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # after a resume's load
+        self.start_biases = {n: b.numpy().copy() for n, b in pl_module.named_buffers() if n.endswith("expert_bias")}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: _whole(p.grad).detach().numpy().copy() for n, p in pl_module.named_parameters()})
@@ -102,7 +106,7 @@ def _fit(
     trainer.fit(module, _loader(dp, accumulate), ckpt_path=ckpt)
     val_loss = float(trainer.validate(trainer.lightning_module, _loader(dp), verbose=False)[0]["val/loss"])
     describe = "\n".join(strategy.describe().lines())
-    kept = ("losses", "norms", "imbalance", "grads", "params", "biases")
+    kept = ("losses", "norms", "imbalance", "grads", "params", "biases", "start_biases")
     # Per step: the all-to-alls only (the test's own full_tensor() reads of the experts also gather over ep)
     ep = [
         {"bytes": b - pb, "calls": c - pc} for (b, c), (pb, pc) in zip(record.all_to_all, [(0, 0), *record.all_to_all])
@@ -117,10 +121,9 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 def _resumed(root: str, devices: int, first: dict[str, int] | None, then: dict[str, int]) -> dict[str, Any]:
     """Train ``STEPS - 1`` steps under ``first`` (``None``: the checkpoint in ``root`` exists), save, and resume under
     ``then`` for the last step (a plain DataLoader resumed mid-epoch reads the first batch again, in every layout)."""
-    if first is not None:
-        _fit(devices, steps=STEPS - 1, save=root, **first)
+    saved = _fit(devices, steps=STEPS - 1, save=root, **first)["biases"] if first is not None else None
     (ckpt,) = Path(root).glob("*.ckpt")
-    return _fit(devices, ckpt=str(ckpt), **then)
+    return {**_fit(devices, ckpt=str(ckpt), **then), "saved_biases": saved}
 
 
 def _one_rank(root: str) -> dict[str, Any]:
@@ -214,13 +217,19 @@ def test_four_rank_layouts_match_one_process(layout: str, four_ranks: list, one_
 @pytest.mark.parametrize("resumed", ["ep2->ep1", "1->ep2"])
 def test_a_checkpoint_reshards_across_expert_parallel_sizes(resumed: str, two_ranks: list, one_rank: dict) -> None:
     assert one_rank["resumed"]["losses"][0] != one_rank["fit"]["losses"][0]  # the same batch, trained weights
+    saved = one_rank["resumed"]["saved_biases"]  # the routers' balancing biases are in the checkpoint
+    assert saved and any(np.abs(bias).max() > 0 for bias in saved.values())
     for rank in two_ranks:
         _assert_same_run(rank[resumed], one_rank["resumed"], steps=1)
+        for name, bias in rank[resumed]["start_biases"].items():
+            np.testing.assert_array_equal(bias, (rank[resumed]["saved_biases"] or saved)[name], err_msg=name)
 
 
 def test_an_ep2_checkpoint_resumes_under_ep4(four_ranks: list, one_rank: dict) -> None:
     for rank in four_ranks:
         _assert_same_run(rank["ep2->ep4"], one_rank["resumed"], steps=1)
+        for name, bias in rank["ep2->ep4"]["start_biases"].items():  # the balancing biases resumed as saved
+            np.testing.assert_array_equal(bias, rank["ep2->ep4"]["saved_biases"][name], err_msg=name)
     assert "experts split over ep=4 (1 per rank)" in four_ranks[0]["ep2->ep4"]["describe"]
 
 
