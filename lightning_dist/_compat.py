@@ -20,8 +20,11 @@ from lightning_dist._compat_hf import hf_weight_transforms as hf_weight_transfor
 from lightning_dist._compat_hf import set_attn_implementation as set_attn_implementation
 
 # torch.distributed.pipelining's private parts: a module of their own too (_compat.reshape_pipeline, ...)
+from lightning_dist._compat_pipelining import PIPELINE_METADATA_INFERENCE as PIPELINE_METADATA_INFERENCE
 from lightning_dist._compat_pipelining import PIPELINE_STAGE_CHUNKS as PIPELINE_STAGE_CHUNKS
+from lightning_dist._compat_pipelining import around_pipeline_metadata_inference as around_pipeline_metadata_inference
 from lightning_dist._compat_pipelining import follow_train_eval_switch as follow_train_eval_switch
+from lightning_dist._compat_pipelining import infers_stage_shapes_on_real_tensors as infers_stage_shapes_on_real_tensors
 from lightning_dist._compat_pipelining import pipeline_outputs_only as pipeline_outputs_only
 from lightning_dist._compat_pipelining import pipeline_stage as pipeline_stage
 from lightning_dist._compat_pipelining import reshape_pipeline as reshape_pipeline
@@ -280,12 +283,19 @@ def torch_dispatch_mode() -> type:
     return __import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode
 
 
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row group ``g`` of ``x`` (the rows up to ``offsets[g]``) times ``weight[g]``: ``torch.nn.functional.grouped_mm``
+    where torch has it (2.13), else the private ``torch._grouped_mm`` it wraps (earlier torch)."""
+    import torch
+    import torch.nn.functional as F
+
+    return getattr(F, "grouped_mm", torch._grouped_mm)(x, weight, offs=offsets)
+
+
 # --------------------------------------------------------------------------------------------- nn.Module surgery
 def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
-    """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order.
-
-    Pipeline splitting deletes blocks from a container by key, and sets parts a stage does not own to ``None``
-    (which ``named_children`` skips and ``forward`` can test for), keeping every other key as it was."""
+    """The live (mutable) dict of ``module``'s children, ``nn.Module._modules``, in registration order: pipeline
+    splitting deletes blocks by key and sets parts a stage does not own to ``None`` (``named_children`` skips them)."""
     return module._modules
 
 

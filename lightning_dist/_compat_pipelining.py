@@ -149,3 +149,33 @@ def schedule_loss_kwargs(schedule: Any, loss_kwargs: dict[str, Any] | None) -> I
 def _stages(schedule: Any) -> list[Any]:
     stage = getattr(schedule, "_stage", None)
     return [stage] if stage is not None else list(getattr(schedule, "_stages", []))
+
+
+#: ``PipelineStage`` methods that infer a stage's input and output metadata by running its forward (and backward) on
+#: empty tensors of the batch's shapes (torch 2.13, private): on the first step and after a change of shapes.
+PIPELINE_METADATA_INFERENCE: tuple[str, ...] = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def infers_stage_shapes_on_real_tensors() -> bool:
+    """Whether torch's ``PipelineStage`` infers its shapes by running the stage on real (empty) tensors of the batch's
+    shapes (2.13: :data:`PIPELINE_METADATA_INFERENCE`), rather than on meta tensors (2.11's ``_shape_inference``), on
+    which a stage whose forward exchanges data (expert parallelism's all-to-all) cannot run."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return all(hasattr(PipelineStage, name) for name in PIPELINE_METADATA_INFERENCE)
+
+
+def around_pipeline_metadata_inference(stage: PipelineStage, around: Callable[[], Any]) -> None:
+    """Run ``stage``'s metadata inference (:data:`PIPELINE_METADATA_INFERENCE`) inside the context ``around()``: its
+    forward and backward run the model on empty tensors, which must leave no trace in the model's state (the MoE
+    routers' token counts)."""
+    for name in PIPELINE_METADATA_INFERENCE:
+        original = getattr(stage, name, None)
+        if original is None:
+            continue
+
+        def inferring(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            with around():
+                return _original(*args, **kwargs)
+
+        setattr(stage, name, inferring)

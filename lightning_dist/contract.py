@@ -15,12 +15,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import get_protocol_members
 
 from lightning_dist._compat import module_children
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.data import repeated_blocks
+from lightning_dist.parallel.expert import ExpertParallelSpec, check_expert_parallel
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.pipeline import PipelineSpec
 from lightning_dist.parallel.tensor import TensorParallelPlan
@@ -79,6 +80,18 @@ class ParallelModule(Protocol):
     def check_context_parallel(self, cp: int) -> None:
         """Raise a one-line ``ValueError`` naming the reason and the fix when ``cp`` cannot split the model."""
 
+    def expert_parallel_spec(self) -> ExpertParallelSpec | None:
+        """Where the model's MoE experts are (see :class:`~lightning_dist.parallel.expert.ExpertParallelSpec`), or
+        ``None`` for a model without any. Needed for ``ep > 1``; with ``tp > 1`` the experts run on each tp rank's part
+        of the tokens. Its ``load`` (the routers' token counts) is summed over the data-parallel ranks after each
+        step's last backward, before the module's ``on_before_optimizer_step``, under every layout.
+
+        Experts contract: ``experts(hidden (N, C), top_k_index (N, K), top_k_weights (N, K)) -> (N, C)`` returns each
+        token's weighted sum of its experts' outputs, with the experts' parameters stacked on dim 0 (transformers'
+        MoE families and the built-in GPT's ``GroupedExperts``). Under ``ep > 1`` a rank's module holds
+        ``num_experts / ep`` of them and gets the rows routed to those (ids counted from its first).
+        """
+
     def reset_parameters(self) -> None:
         """Initialize every parameter after a strategy materialized the model from the meta device.
 
@@ -105,6 +118,7 @@ HOOKS: frozenset[str] = frozenset(
         "check_tensor_parallel",
         "context_parallel_spec",
         "check_context_parallel",
+        "expert_parallel_spec",
         "reset_parameters",
         "set_loss_chunks",
     )
@@ -188,6 +202,55 @@ def declared_cp_spec(module: Any, cp: int) -> ContextParallelSpec | None:
     if check is not None:
         check(cp)
     return spec()
+
+
+def declared_pipeline_spec(module: Any) -> PipelineSpec:
+    """``module``'s ``pipeline_spec()``, checked: it has a loss and its model has a forward a stage can run.
+
+    Raises:
+        ValueError: The module has no ``pipeline_spec()``, its spec no ``loss_fn``, or its model no forward (one line).
+    """
+    spec_fn = module_hook(module, "pipeline_spec")
+    if spec_fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec "
+            "(model, blocks, first/last parts, loss), or set pp=1."
+        )
+    spec: PipelineSpec = spec_fn()
+    if spec.loss_fn is None:
+        raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
+    model = spec.model(module)
+    if spec.stage_forward is None and type(model).forward is nn.Module.forward:
+        raise ValueError(
+            f"pipeline_spec().model_attr={spec.model_attr!r} is a {type(model).__name__}, which has no forward for a "
+            "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
+        )
+    return spec
+
+
+def declared_ep_spec(module: Any, ep: int) -> ExpertParallelSpec | None:
+    """``module``'s ``expert_parallel_spec()`` (``None`` for a module without MoE experts), checked against ``ep``.
+
+    Raises:
+        ValueError: ``ep > 1`` and the module has no experts, its spec names no module, or ``ep`` does not divide its
+            experts (one line).
+    """
+    hook = module_hook(module, "expert_parallel_spec")
+    spec = hook() if hook is not None else None
+    if spec is None:
+        if ep > 1:
+            raise ValueError(
+                f"ep={ep} but {type(module).__name__} has no MoE experts (no expert_parallel_spec(), or it returned "
+                "None); use a model with MoE blocks (model.moe.num_experts > 0) or set ep=1."
+            )
+        return None
+    check_expert_parallel(spec.num_experts, ep)
+    if not spec.modules(module):
+        raise ValueError(
+            f"expert_parallel_spec() names experts {list(spec.experts)} but {type(module).__name__} has no module "
+            "matching them; fix the patterns (module names relative to the LightningModule)."
+        )
+    return spec
 
 
 # --------------------------------------------------------------------------- what lightning-dist reads from a strategy

@@ -7,11 +7,18 @@ Degrees use the same names everywhere (config fields, Python arguments, mesh axe
 - ``tp``: tensor parallel (DTensor; weights split inside a layer).
 - ``pp``: pipeline parallel (layers split into stages).
 - ``cp``: context parallel (each sequence split along its length; the ranks of one ``cp`` group read the same batch).
+- ``ep``: expert parallel (an MoE block's experts split over ``ep`` ranks, tokens sent to their experts and back by
+  all-to-all). The ``ep`` ranks are data-parallel ranks (``ep`` divides ``dp_shard``, as torchtitan's ``dp2ep``):
+  they read different batches and share every other parameter; each expert is FSDP2-sharded over the rest of
+  ``dp_shard`` (``efsdp = dp_shard / ep``) and ``cp``.
 
 The device mesh is laid out ``(pp, dp_replicate, dp_shard, cp, tp)``: ``tp`` is innermost so that a tensor-parallel
 group occupies neighbouring ranks (one node, the fastest links), ``cp`` next (its all-gather of keys and values runs
 every layer), and ``pp`` outermost (cheapest traffic). FSDP2 shards over ``dp_shard x cp`` (the flattened axis
 ``dp_shard_cp``): cp ranks hold the same parameters, so their gradients are averaged like data-parallel ones.
+With ``ep > 1`` the ``dp_shard`` axis is built from two, ``efsdp`` and ``ep`` (the mesh is
+``(pp, dp_replicate, efsdp, cp, ep, tp)``: an expert-parallel group holds neighbouring ranks, and the experts' FSDP2
+axis ``efsdp x cp`` is contiguous), and ``dp_shard`` is their flattening.
 """
 
 from __future__ import annotations
@@ -36,15 +43,26 @@ DP = "dp"
 #: (``DP_CP``: every rank that holds other tokens).
 DP_SHARD_CP = "dp_shard_cp"
 DP_CP = "dp_cp"
+#: Expert parallelism (``ep > 1``): ``dp_shard`` is built as ``(EFSDP, EP)``; experts are split over ``EP`` and
+#: FSDP2-sharded over ``EFSDP`` (``EFSDP_CP``: with ``cp``).
+EP = "ep"
+EFSDP = "efsdp"
+EFSDP_CP = "efsdp_cp"
 #: Mesh axis (flattened ones included) -> the axis its communication is reported under: the data-parallel axes, and
-#: the flattened ones that span them, as ``DP``; ``cp`` as itself.
+#: the flattened ones that span them, as ``DP`` (the experts' FSDP2 axes too); ``cp`` and ``ep`` as themselves.
 REPORTED_AXIS: dict[str, str] = {axis: DP if axis in DP_AXES else axis for axis in (*AXES, DP)} | {
     DP_SHARD_CP: DP,
     DP_CP: DP,
+    EP: EP,
+    EFSDP: DP,
+    EFSDP_CP: DP,
 }
-#: The axes communication is reported under (telemetry's ``comm/<axis>/``, the planner): ``DP``, then the others
-#: innermost first, i.e. ``("dp", "tp", "cp", "pp")``.
-REPORTED_AXES: tuple[str, ...] = (DP, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
+#: The axes communication is reported under (telemetry's ``comm/<axis>/``, the planner): ``DP``, ``EP``, then the
+#: others innermost first, i.e. ``("dp", "ep", "tp", "cp", "pp")``.
+REPORTED_AXES: tuple[str, ...] = (DP, EP, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
+#: The degrees of a layout: :class:`ParallelDims`' fields, the config's ``parallelism.<name>`` fields and the
+#: strategies' arguments (one name each).
+DEGREES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 #: Degrees that may be ``-1`` ("what the other degrees leave of the world size"); at most one at a time.
 _FILLABLE: tuple[str, ...] = (*DP_AXES, "tp")
 
@@ -60,6 +78,8 @@ class ParallelDims:
         tp: Tensor-parallel degree; ``-1`` takes what the other degrees leave.
         pp: Pipeline-parallel degree.
         cp: Context-parallel degree: each sequence is split over ``cp`` ranks (not fillable with ``-1``).
+        ep: Expert-parallel degree: an MoE block's experts are split over ``ep`` of the ``dp_shard`` ranks (it must
+            divide ``dp_shard``; not fillable with ``-1``).
 
     Raises:
         ValueError: The degrees do not describe ``world_size`` processes; the message names the fix.
@@ -71,6 +91,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +130,15 @@ class ParallelDims:
                 f"{product}, but world_size={self.world_size}; make the product equal the number of processes "
                 f"(or set dp_shard=-1 to take the rest)."
             )
+        if self.ep < 1:
+            raise ValueError(f"ep={self.ep} must be >= 1; use ep=1 to turn expert parallelism off.")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp_shard={self.dp_shard} (world_size={self.world_size}): the "
+                "expert-parallel ranks are data-parallel "
+                f"(FSDP2) ranks that split the experts; use an ep dividing dp_shard, or raise dp_shard (dp_shard=-1 "
+                "takes the rest of the world size)."
+            )
 
     # ----------------------------------------------------------------------------------------------- degrees
     @property
@@ -144,6 +174,10 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -158,25 +192,42 @@ class ParallelDims:
 
     # ------------------------------------------------------------------------------- coordinates (no process group)
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Coordinate of ``rank`` on each mesh axis (row-major over ``AXES``)."""
+        """Coordinate of ``rank`` on each mesh axis (row-major over the axes as built: :meth:`built_axes`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}.")
         coords: dict[str, int] = {}
-        for axis in reversed(AXES):
-            degree = getattr(self, axis)
+        for axis, degree in reversed(self.built_axes()):
             coords[axis] = rank % degree
             rank //= degree
+        if self.ep > 1:  # dp_shard = (efsdp, ep), ep inner
+            coords["dp_shard"] = coords.pop(EFSDP) * self.ep + coords.pop(EP)
         return {axis: coords[axis] for axis in AXES}
+
+    def built_axes(self) -> list[tuple[str, int]]:
+        """The device mesh's own axes and degrees, outermost first: ``AXES``, or with ``ep > 1``
+        ``(pp, dp_replicate, efsdp, cp, ep, tp)``: ``dp_shard`` split into ``efsdp`` and ``ep``, with ``ep`` inside
+        ``cp`` so that the experts' FSDP2 axis (``efsdp x cp``) is one contiguous block beside ``ep``."""
+        degrees = self.degrees
+        if self.ep == 1:
+            return list(degrees.items())
+        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), (EFSDP, self.dp_shard // self.ep),
+                ("cp", self.cp), (EP, self.ep), ("tp", self.tp)]  # fmt: skip
 
     def dp_rank(self, rank: int) -> int:
         """Data-parallel index of ``rank``: ranks with the same index must read the same batches."""
         coords = self.coordinates(rank)
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
+    def ep_rank(self, rank: int) -> int:
+        """Expert-parallel index of ``rank``: which ``1 / ep`` of each MoE block's experts it holds (the inner part of
+        its ``dp_shard`` coordinate)."""
+        return self.coordinates(rank)["dp_shard"] % self.ep
+
     def describe(self) -> str:
-        """One line such as ``pp=1 dp_replicate=1 dp_shard=2 tp=2 (world 4)`` (``cp`` shown when it is > 1)."""
+        """One line such as ``pp=1 dp_replicate=1 dp_shard=2 tp=2 (world 4)`` (``cp`` and ``ep`` shown when > 1)."""
         parts = " ".join(f"{axis}={degree}" for axis, degree in self.degrees.items() if axis != "cp" or degree > 1)
-        return f"{parts} (world {self.world_size})"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"{parts}{ep} (world {self.world_size})"
 
     def check_seq_len(self, seq_len: int, name: str = "data.seq_len") -> None:
         """Raise a one-line ``ValueError`` when ``seq_len`` cannot be split over ``cp`` ranks (see
@@ -195,17 +246,30 @@ class ParallelDims:
             # deferred: a rank builds the mesh; the launcher checks the degrees without torch (test_layering: DEFERRED)
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
-            flatten_mesh(mesh, DP_AXES, DP)
+            names, sizes = zip(*self.built_axes())
+            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+            if self.ep > 1:
+                flatten_mesh(mesh, (EFSDP, EP), "dp_shard")
+            flatten_mesh(mesh, self._built(DP_AXES), DP)
             if self.cp > 1:  # at cp=1 they are dp_shard and dp: no second process group of the same ranks
-                flatten_mesh(mesh, ("dp_shard", "cp"), DP_SHARD_CP)
-                flatten_mesh(mesh, (*DP_AXES, "cp"), DP_CP)
+                flatten_mesh(mesh, self._built(("dp_shard", "cp")), DP_SHARD_CP)
+                flatten_mesh(mesh, self._built((*DP_AXES, "cp")), DP_CP)
+                if self.ep > 1:
+                    flatten_mesh(mesh, (EFSDP, "cp"), EFSDP_CP)
             # The names Lightning's ModelParallelStrategy gives its 2-D mesh, so a configure_model written for it
             # (Lightning's own examples) runs unchanged: device_mesh["data_parallel"], device_mesh["tensor_parallel"].
-            flatten_mesh(mesh, DP_AXES, "data_parallel")
+            flatten_mesh(mesh, self._built(DP_AXES), "data_parallel")
             flatten_mesh(mesh, ("tp",), "tensor_parallel")
             self._mesh = mesh
         return self._mesh
+
+    def _built(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """``axes`` as the mesh was built (:meth:`built_axes`, in its order): ``dp_shard`` is ``(efsdp, ep)`` when
+        ``ep > 1``."""
+        if self.ep == 1:
+            return axes
+        wanted = {name for axis in axes for name in ((EFSDP, EP) if axis == "dp_shard" else (axis,))}
+        return tuple(name for name, _ in self.built_axes() if name in wanted)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -230,6 +294,20 @@ class ParallelDims:
         average gradients), with ``dp_replicate`` in front for HSDP / pure replication."""
         shard = DP_SHARD_CP if self.cp > 1 else "dp_shard"
         return ("dp_replicate", shard) if self.dp_replicate > 1 else (shard,)
+
+    @cached_property
+    def expert_fsdp_mesh_axes(self) -> tuple[str, ...]:
+        """Axes FSDP2 shards the experts over when ``ep > 1``: ``efsdp`` (``efsdp_cp`` with cp), with
+        ``dp_replicate`` in front; the ``ep`` ranks hold different experts, so the experts' data-parallel peers are
+        the rest of ``dp_shard x cp``."""
+        shard = EFSDP_CP if self.cp > 1 else EFSDP
+        return ("dp_replicate", shard) if self.dp_replicate > 1 else (shard,)
+
+    @property
+    def expert_mesh_axes(self) -> tuple[str, ...]:
+        """Axes an MoE block's experts are laid out on (the layout's ``ep`` and ``tp`` of size > 1): split over
+        ``ep``, replicated over ``tp`` (whose ranks each run the experts on a part of the tokens)."""
+        return tuple(axis for axis, size in ((EP, self.ep), ("tp", self.tp)) if size > 1)
 
 
 def check_context_parallel_seq_len(cp: int, seq_len: int, name: str = "data.seq_len") -> None:

@@ -29,7 +29,7 @@ BUILTIN_DATA = [data for data in GROUPS["data"] if data not in NOT_BUILTIN]
 
 
 def test_every_group_has_options() -> None:
-    assert GPT_MODELS == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b"]
+    assert GPT_MODELS == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b", "moe_tiny"]
     assert set(GROUPS["model"]) - set(GPT_MODELS) == {"custom", "hf"}
     assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
     assert BUILTIN_DATA == ["synthetic", "text", "tokens"]
@@ -47,7 +47,7 @@ def test_group_combinations_compose_with_typed_fields(model: str, parallelism: s
     assert isinstance(cfg.trainer.max_steps, int) and isinstance(cfg.model.d_model, int)
     getattr(cfg.model, "validate", lambda: None)()  # the built-in GPT's shape rules (model=hf: its config's own)
     world = cfg.cluster.devices * cfg.cluster.num_nodes
-    fixed = cfg.parallelism.tp * cfg.parallelism.pp
+    fixed = cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.ep  # ep splits dp_shard
     if world % fixed:  # e.g. tp_fsdp (tp=2) on one GPU: must be refused with the numbers in the message
         with pytest.raises(ValueError, match=f"world_size={world}"):
             build_parallel_dims(cfg)

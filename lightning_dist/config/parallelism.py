@@ -46,6 +46,11 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks, head-tail balanced (data.seq_len divisible by
     2 x cp; the built-in GPT, arch=llama)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE block's experts split over ep of the dp_shard ranks (ep divides dp_shard and
+    the number of experts), tokens sent to their experts and back by all-to-all; the experts FSDP2-sharded over the
+    rest of dp_shard (and cp). Models with MoE blocks (model.moe.num_experts > 0, model=hf Mixtral / Qwen-MoE /
+    OLMoE)."""
     cp_attention: str = "auto"
     """Context parallel: the attention across the cp group: auto (torch on CUDA, else allgather), allgather (all-gather
     of keys and values, the causal mask offset by each chunk's position; any device and backend, exact) or torch

@@ -16,6 +16,7 @@ CANNOT_DO: dict[str, dict[str, str]] = {
         "pp": "use parallelism=pp (or parallelism=3d with tp) for pipelines",
         "dp_shard": "use parallelism=fsdp to shard",
         "cp": "use parallelism=fsdp (or tp, tp_fsdp) with parallelism.cp for context parallelism",
+        "ep": "use parallelism=fsdp (or tp_fsdp, pp) with parallelism.ep for expert parallelism",
     },
     "fsdp": {
         "tp": "use parallelism=tp or parallelism=tp_fsdp for tensor parallelism",
@@ -26,9 +27,9 @@ CANNOT_DO: dict[str, dict[str, str]] = {
 }
 DOES = {
     "ddp": "dp_replicate",
-    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP)",
-    "tensor_parallel": "dp_replicate, dp_shard, tp",
-    "pipeline_parallel": "dp_replicate, dp_shard, tp, pp",
+    "fsdp": "dp_shard (FSDP2), dp_replicate (HSDP), cp, ep",
+    "tensor_parallel": "dp_replicate, dp_shard, cp, ep, tp",
+    "pipeline_parallel": "dp_replicate, dp_shard, cp, ep, tp, pp",
 }
 
 

@@ -37,7 +37,7 @@ from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.parallel_dims import DEGREES, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,8 @@ def _continues_its_own_run(cfg: TrainConfig) -> bool:
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
     """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
-    par = cfg.parallelism
-    return ParallelDims(
-        world_size=cfg.cluster.devices * cfg.cluster.num_nodes,
-        dp_replicate=par.dp_replicate,
-        dp_shard=par.dp_shard,
-        tp=par.tp,
-        pp=par.pp,
-        cp=par.cp,
-    )
+    degrees = {name: getattr(cfg.parallelism, name) for name in DEGREES}
+    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes, **degrees)
 
 
 def options_of(cfg: TrainConfig) -> ParallelOptions:
@@ -201,6 +194,8 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
     if dims.cp_enabled:
         _check_context_parallel(cfg, dims, gpt)
+    if dims.ep_enabled:
+        _check_expert_parallel(cfg, dims, gpt)
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
         check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family,
@@ -252,6 +247,18 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
             f"parallelism.cp={dims.cp} with data.format={cfg.data.format}: a masked loss is normalized by the whole "
             "batch's token count, which the sequence split does not rescale yet; set parallelism.cp=1 or "
             "data.format=text."
+        )
+
+
+def _check_expert_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> None:
+    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config) or a user's model (its own
+    ``expert_parallel_spec()``, checked by the strategy); HuggingFace MoE families are not wired yet."""
+    if gpt:
+        cfg.model.moe.check_expert_parallel(dims.ep)
+    elif isinstance(cfg.model, HFModelConfig):
+        raise ValueError(
+            f"parallelism.ep={dims.ep} with model=hf: expert parallelism runs the built-in GPT's MoE blocks "
+            "(model.moe.num_experts > 0) and a user's model with expert_parallel_spec(); set parallelism.ep=1."
         )
 
 

@@ -19,6 +19,7 @@ The module names are a contract that the tensor-parallel plan and the pipeline s
     │       ├── attn       Attention: q_proj, k_proj, v_proj, o_proj
     │       ├── mlp_norm   RMSNorm | LayerNorm
     │       └── mlp        MLP: gate_proj (llama only), up_proj, down_proj
+    │           or moe     MoE: router, experts, shared (model.moe.num_experts > 0: see moe.py)
     ├── norm               RMSNorm | LayerNorm
     └── head               nn.Linear(d_model, vocab_size, bias=False)
 
@@ -36,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dist.models.gpt_config import ARCHS, GPTConfig
+from lightning_dist.models.gpt_config import ARCHS, GPTConfig, MoEConfig
+from lightning_dist.models.moe import MoE
 
-__all__ = ["ARCHS", "GPT", "GPTConfig"]
+__all__ = ["ARCHS", "GPT", "GPTConfig", "MoEConfig"]
 
 
 class RMSNorm(nn.Module):
@@ -184,16 +186,18 @@ class MLP(nn.Module):
 
     Args:
         cfg: Model configuration.
+        hidden: The hidden size F; ``None`` = ``cfg.hidden_dim`` (the shared experts of an MoE block take another).
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.arch == "llama"
         bias = not self.swiglu
+        hidden = cfg.hidden_dim if hidden is None else hidden
         if self.swiglu:
-            self.gate_proj = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=bias)
+            self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.swiglu:
@@ -204,22 +208,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (``moe`` in place of ``mlp``
+    in an MoE block).
 
     Args:
         cfg: Model configuration.
+        index: The block's place in the model (the first ``model.moe.dense_layers`` stay dense).
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | None = None
+        self.moe: MoE | None = None
+        if cfg.is_moe_layer(index):
+            shared = MLP(cfg, cfg.moe.shared_experts * cfg.expert_hidden) if cfg.moe.shared_experts else None
+            self.moe = MoE(cfg, shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, rope_cos: Tensor | None = None, rope_sin: Tensor | None = None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin)  # (B, T, C)
-        x = x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        ffn = self.mlp if self.mlp is not None else self.moe
+        x = x + ffn(self.mlp_norm(x))  # (B, T, C)
         return x
 
 
@@ -243,7 +256,7 @@ class GPT(nn.Module):
         self.pos_emb: nn.Embedding | None = None
         if config.arch == "gpt2":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm: nn.Module | None = make_norm(config)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
@@ -280,15 +293,19 @@ class GPT(nn.Module):
         Each parameter gets its own CPU generator seeded with ``zlib.crc32(f"{seed}:{name}")``, draws in float32
         on the CPU, and is copied into place. So the values depend only on (seed, name, shape): a whole model, a
         pipeline stage built alone and a model materialized from the meta device agree for every name they share,
-        whatever the dtype or device. Weights are ``N(0, init_std)``; ``o_proj`` / ``down_proj`` weights use
-        ``init_std / sqrt(2 * n_layers)`` (GPT-2); norm scales are one and biases zero. With tied embeddings a
-        stage holding only ``head`` draws it under the name ``tok_emb.weight``, like the whole model does.
+        whatever the dtype or device. Weights are ``N(0, init_std)``; ``o_proj`` / ``down_proj`` weights (the
+        experts' too) use ``init_std / sqrt(2 * n_layers)`` (GPT-2); norm scales are one and biases zero. With tied
+        embeddings a stage holding only ``head`` draws it under the name ``tok_emb.weight``, like the whole model
+        does. The routers' balancing biases start at zero.
 
         Args:
             seed: Base seed.
         """
         self.tie_weights()
         self.reset_rope_buffers()
+        for name, buffer in self.named_buffers():
+            if name.endswith(("router.expert_bias", "router.tokens_per_expert", "router.loss_sums")):
+                buffer.zero_()  # after to_empty (a meta-device build) they hold whatever the memory held
         cfg = self.config
         for name, param in self.named_parameters():
             module_name, _, param_name = name.rpartition(".")
@@ -299,7 +316,7 @@ class GPT(nn.Module):
                 value = torch.zeros(param.shape, device="cpu")
             else:
                 std = cfg.init_std
-                if module_name.endswith(("o_proj", "down_proj")):
+                if module_name.endswith(("o_proj", "down_proj")) or name.endswith("experts.down_proj"):
                     std = std / math.sqrt(2 * cfg.n_layers)
                 key = "tok_emb.weight" if cfg.tie_embeddings and name == "head.weight" else name
                 generator = torch.Generator(device="cpu")
@@ -353,11 +370,23 @@ class GPT(nn.Module):
                 skip.discard(id(self.head.weight))
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
 
+    def num_active_params(self, exclude_embedding: bool = True) -> int:
+        """Parameters one token passes through: :meth:`num_params` less the routed experts it does not take
+        (``num_experts - top_k`` of them in each MoE block held)."""
+        moe = self.config.moe
+        idle = 0
+        for layer in self.layers.values():
+            if layer.moe is not None:
+                per_expert = sum(p[0].numel() for p in layer.moe.experts.parameters())
+                idle += (moe.num_experts - moe.top_k) * per_expert
+        return self.num_params(exclude_embedding) - idle
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), the PaLM / nanoGPT estimate.
 
-        ``6 * N + 12 * L * H * Q * T``: N non-embedding parameters (``num_params()``), L layers held, H heads,
-        Q head dim, T ``seq_len``. The second term is the attention score and value matmuls.
+        ``6 * N + 12 * L * H * Q * T``: N non-embedding parameters a token passes through (``num_active_params()``:
+        of an MoE block, its ``top_k`` experts), L layers held, H heads, Q head dim, T ``seq_len``. The second term
+        is the attention score and value matmuls.
 
         Args:
             seq_len: Training sequence length T.
@@ -366,5 +395,5 @@ class GPT(nn.Module):
             FLOPs per token.
         """
         cfg = self.config
-        n = self.num_params(exclude_embedding=True)
+        n = self.num_active_params(exclude_embedding=True)
         return 6 * n + 12 * len(self.layers) * cfg.n_heads * cfg.head_dim * seq_len

@@ -11,12 +11,26 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.nn import Module
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.moe import expert_load
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
+
+
+def gpt_expert_parallel_spec(prefix: str, cfg: GPTConfig, model: Module) -> ExpertParallelSpec | None:
+    """The experts of every MoE block of the GPT ``model`` at ``prefix`` and its routers' token counts; ``None`` for
+    a dense GPT."""
+    if not cfg.moe.enabled:
+        return None
+    return ExpertParallelSpec(
+        experts=(f"{prefix}layers.*.moe.experts",), num_experts=cfg.moe.num_experts, load=lambda: expert_load(model)
+    )
 
 
 def check_context_parallel(cfg: GPTConfig, cp: int) -> None:
@@ -24,6 +38,12 @@ def check_context_parallel(cfg: GPTConfig, cp: int) -> None:
     if cp > 1 and cfg.arch != "llama":
         # gpt2's learned position embedding is looked up by arange(T) inside forward: no table to re-index.
         raise ValueError(f"cp={cp} with model.arch={cfg.arch!r}: context parallelism supports arch=llama; set cp=1.")
+    if cp > 1 and cfg.moe.enabled and cfg.moe.aux_loss_coef > 0:
+        raise ValueError(
+            f"cp={cp} with model.moe.aux_loss_coef={cfg.moe.aux_loss_coef}: the sequence-wise balance loss needs each "
+            "sequence whole, which cp splits; set model.moe.aux_loss_coef=0 (the bias balancing and the z-loss run "
+            "under cp) or cp=1."
+        )
 
 
 def gpt_context_parallel_spec(prefix: str) -> ContextParallelSpec:
@@ -44,9 +64,14 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, s
     sizes = {
         "model.n_heads": cfg.n_heads,
         "model.n_kv_heads": cfg.kv_heads,
-        "the FFN hidden size (model.ffn_hidden)": cfg.hidden_dim,
         "model.vocab_size": cfg.vocab_size,
     }
+    if cfg.moe.dense_layers or not cfg.moe.enabled:
+        sizes["the FFN hidden size (model.ffn_hidden)"] = cfg.hidden_dim
+    if cfg.moe.enabled and cfg.moe.shared_experts:
+        sizes["the shared experts' hidden size (model.moe.shared_experts x hidden)"] = (
+            cfg.moe.shared_experts * cfg.expert_hidden
+        )
     if sequence_parallel and seq_len is not None:
         sizes["data.seq_len (sequence parallelism shards it)"] = seq_len
     for name, size in sizes.items():
@@ -56,7 +81,7 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, seq_len: int | None = None, s
 
 
 def gpt_tensor_parallel_plan(
-    prefix: str, sequence_parallel: bool = True, loss_parallel: bool = True
+    prefix: str, sequence_parallel: bool = True, loss_parallel: bool = True, cfg: GPTConfig | None = None
 ) -> dict[str, ParallelStyle]:
     """The Megatron-style plan for :class:`~lightning_dist.models.gpt.GPT` (llama arch), by module name.
 
@@ -66,10 +91,16 @@ def gpt_tensor_parallel_plan(
     residual stream are sharded along the sequence dim. With loss parallelism the head's vocab-sharded logits
     go straight into the cross-entropy (no all-gather of a (B, T, V) tensor).
 
+    An MoE block takes the whole sequence (gathered under sequence parallelism, its output cut back to this rank's
+    part): its router stays whole on every tp rank (replicated), its shared experts are split like the MLP with their
+    output summed over tp, and its routed experts are left to expert parallelism (``parallel/expert.py``), which runs
+    them on each tp rank's part of the tokens.
+
     Args:
         prefix: Name of the GPT module inside the module being parallelized (``"model."`` for GPTModule).
         sequence_parallel: Shard norms and residuals along the sequence.
         loss_parallel: Keep logits vocab-sharded for a parallel cross-entropy.
+        cfg: The model's configuration, for its MoE blocks; ``None`` = a dense GPT.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -90,6 +121,9 @@ def gpt_tensor_parallel_plan(
         plan[f"{block}attn"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
+    moe = cfg is not None and cfg.moe.enabled
+    dense = not moe or cfg.moe.dense_layers > 0
+    if sequence_parallel and dense:
         plan[f"{block}mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan.update(
         {
@@ -97,9 +131,20 @@ def gpt_tensor_parallel_plan(
             f"{block}attn.k_proj": ColwiseParallel(),
             f"{block}attn.v_proj": ColwiseParallel(),
             f"{block}attn.o_proj": RowwiseParallel(output_layouts=seq),
-            f"{block}mlp.gate_proj": ColwiseParallel(),
-            f"{block}mlp.up_proj": ColwiseParallel(),
-            f"{block}mlp.down_proj": RowwiseParallel(output_layouts=seq),
         }
     )
+    if dense:
+        plan[f"{block}mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{block}mlp.up_proj"] = ColwiseParallel()
+        plan[f"{block}mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+    if moe:
+        if sequence_parallel:  # the router and the experts see every token of the sequence
+            plan[f"{block}moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            )  # fmt: skip
+        if cfg.moe.shared_experts:
+            plan[f"{block}moe.shared.gate_proj"] = ColwiseParallel()
+            plan[f"{block}moe.shared.up_proj"] = ColwiseParallel()
+            plan[f"{block}moe.shared.down_proj"] = RowwiseParallel(output_layouts=Replicate())
     return plan

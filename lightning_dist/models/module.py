@@ -21,12 +21,15 @@ from lightning_dist.models.gpt_parallel import (
     check_context_parallel,
     check_tensor_parallel,
     gpt_context_parallel_spec,
+    gpt_expert_parallel_spec,
     gpt_tensor_parallel_plan,
 )
 from lightning_dist.models.lora import apply_lora, init_lora
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
+from lightning_dist.models.moe import load_stats, moe_layers, update_expert_bias
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 
@@ -133,7 +136,7 @@ class GPTModule(pl.LightningModule):
     # ------------------------------------------------------------------------------- parallelism contract
     def tensor_parallel_plan(self, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, Any]:
         """The GPT's tensor-parallel plan, by module name relative to this module."""
-        return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel)
+        return gpt_tensor_parallel_plan("model.", sequence_parallel, loss_parallel, self.model_config)
 
     def pipeline_spec(self) -> PipelineSpec:
         """How a pipeline splits the GPT: ``model.layers`` are the blocks, embeddings first, norm and head last."""
@@ -160,6 +163,38 @@ class GPTModule(pl.LightningModule):
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences."""
         check_context_parallel(self.model_config, cp)
+
+    def expert_parallel_spec(self) -> ExpertParallelSpec | None:
+        """The GPT's MoE experts and its routers' token counts (``None`` for a dense GPT)."""
+        return gpt_expert_parallel_spec("model.", self.model_config, self.model)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Tell the MoE blocks how the trainer scales the loss before its backward, for the balance and z losses they
+        add to the gradient themselves (``moe.AddLoss``): ``1 / k`` under gradient accumulation over ``k`` batches,
+        where Lightning divides the loss; 1 under a pipeline, whose gradients are scaled after the backward."""
+        if self.model is None or not self.model_config.moe.enabled:
+            return
+        pipelined = getattr(getattr(self.trainer.strategy, "parallel_dims", None), "pp", 1) > 1
+        scale = 1.0 if pipelined else 1.0 / self.trainer.accumulate_grad_batches
+        for layer in moe_layers(self.model).values():
+            layer.loss_scale = scale
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Balance the MoE experts: each router's bias steps toward the global batch's mean load (the strategy summed
+        the counts over the data-parallel ranks); the load imbalance is logged on logging steps only."""
+        if self.model is None or not self.model_config.moe.enabled:
+            return
+        summed = self.trainer.world_size == 1 or getattr(self.trainer.strategy, "sums_expert_load", False)
+        if self.model_config.moe.balance_rate > 0 and not summed:
+            raise ValueError(
+                f"model.moe balances the experts by the global batch's load, which "
+                f"{type(self.trainer.strategy).__name__} does not sum over its ranks (each rank would drift its own "
+                "way); use lightning_dist's MeshStrategy or DataParallelStrategy, or model.moe.balance_rate=0."
+            )
+        shares, losses = update_expert_bias(self.model)
+        if _compat.logs_this_step(self.trainer):
+            for key, value in load_stats(shares, losses).items():  # the same on every data-parallel rank: no sync_dist
+                self.log(key, value)
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config

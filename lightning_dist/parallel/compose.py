@@ -11,6 +11,7 @@ from torch import nn
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_dist.parallel.context import ContextParallelSpec, apply_context_parallel
 from lightning_dist.parallel.data import apply_fsdp
+from lightning_dist.parallel.expert import ExpertParallelSpec, apply_expert_fsdp, apply_expert_parallel
 from lightning_dist.parallel.float8 import apply_float8, check_float8_collectives, float8_tp_styles
 from lightning_dist.parallel.lora import adapter_plan
 from lightning_dist.parallel.options import ParallelOptions
@@ -25,13 +26,14 @@ def parallelize(
     *,
     tp_plan: TensorParallelPlan | None = None,
     cp_spec: ContextParallelSpec | None = None,
+    ep_spec: ExpertParallelSpec | None = None,
     fsdp_units: Sequence[nn.Module] = (),
     fsdp_roots: Sequence[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> Parallelized:
-    """Apply float8, TP, CP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or a
-    model).
+    """Apply float8, EP, TP, CP, activation checkpointing, compile, then FSDP2 / replication to ``module`` (a stage or
+    a model).
 
     The one composition path: the whole-model layouts and every pipeline stage go through it, so a step added here
     applies to both. Weights tied before stay tied after, or it raises.
@@ -43,6 +45,8 @@ def parallelize(
             are read here.
         tp_plan: Pattern -> style; required when ``dims.tp > 1``.
         cp_spec: The module's attention functions and position tables; required when ``dims.cp > 1``.
+        ep_spec: The module's experts (and their token counts); required when the module has MoE blocks and
+            ``dims.ep > 1`` or ``dims.tp > 1``.
         fsdp_units: The model's blocks, in execution order: float8 converts their linear layers, activation
             checkpointing applies to them, and FSDP2 wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
@@ -51,8 +55,8 @@ def parallelize(
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
     Returns:
-        What was applied: the tensor-parallel style of each module, the context-parallel attention, float8, and
-        the FSDP2 units by name.
+        What was applied: the tensor-parallel style of each module, the context-parallel attention, expert
+        parallelism, float8, and the FSDP2 units by name.
     """
     mesh = dims.mesh
     ties = shared_parameters(module)
@@ -62,6 +66,16 @@ def parallelize(
     float8 = ""
     if options.float8 != "off":
         float8 = apply_float8(fsdp_units, options.float8, mesh.device_type, fsdp=dims.dp_cp_enabled)
+    # 0b. Expert parallelism before TP: the experts become DTensors on (ep, tp) and their forward dispatches tokens, so
+    #     TP's "replicate what the plan leaves" passes them by; before FSDP2, which shards them further (step 4).
+    experts = ""
+    if ep_spec is not None:
+        experts = apply_expert_parallel(module, ep_spec, dims)
+    elif dims.ep_enabled:
+        raise ValueError(
+            f"ep={dims.ep} needs the module's expert_parallel_spec() (its experts modules); define it on the "
+            "LightningModule (a model with MoE blocks), or set ep=1."
+        )
     # 1. Tensor parallelism: it turns weights into DTensors on the tp axis, which FSDP2 then shards
     #    further along dp (a 2-D DTensor). FSDP2 cannot be undone to let TP go second.
     if dims.tp_enabled:
@@ -100,6 +114,14 @@ def parallelize(
     names = {id(child): name for name, child in module.named_modules()}
     wrapped: list[str] = []
     if dims.dp_cp_enabled:
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(options.reduce_dtype or "")
+        if dims.ep_enabled and ep_spec is not None:
+            # The experts first, each its own unit over the ranks holding the same experts (the blocks' units then
+            # leave their parameters alone).
+            wrapped += apply_expert_fsdp(
+                module, ep_spec, dims, param_dtype=param_dtype, cpu_offload=options.cpu_offload,
+                reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
+            )  # fmt: skip
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
         # together (a unit holding one is left to the root that holds the rest).
         tied = {id(module.get_parameter(group[0])) for group in ties}
@@ -114,13 +136,13 @@ def parallelize(
             param_dtype=param_dtype,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=options.cpu_offload,
-            reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(options.reduce_dtype or ""),
+            reduce_dtype=reduce_dtype,
         )
         for unit in [*fsdp_units, *roots]:
             group = unit if isinstance(unit, list) else [unit]
             wrapped.append(" + ".join(names.get(id(m), "") or "(root)" for m in group))
     check_ties_kept(module, ties)
-    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped), context=context, float8=float8)
+    return Parallelized(tp_styles=applied, fsdp_units=tuple(wrapped), context=context, experts=experts, float8=float8)
 
 
 def data_parallel_axes(dims: ParallelDims, options: ParallelOptions) -> tuple[str, ...]:
@@ -139,6 +161,8 @@ class Parallelized:
     """The FSDP2 units, in the order they were wrapped (``"a + b"``: modules sharing a parameter, one unit)."""
     context: str = ""
     """What context parallelism runs, in words; empty at ``cp=1``."""
+    experts: str = ""
+    """What expert parallelism runs, in words; empty without it."""
     float8: str = ""
     """What float8 training runs (recipe, converted layers), in words; empty without it."""
 

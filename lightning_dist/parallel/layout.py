@@ -26,6 +26,7 @@ class RankLayout:
             empty without a pipeline (the rank holds its shards of every block).
         tp_styles: Module name (the LightningModule's) -> tensor-parallel style applied; empty without TP.
         fsdp_units: The FSDP2 units, in the order they were wrapped; empty without data parallelism.
+        experts: What expert parallelism runs (the experts' split and the tokens' dispatch), in words; empty without.
         context: What context parallelism runs (the sequence split and the attention across cp), in words; empty at
             ``cp=1``.
         float8: What float8 training runs (the recipe and the converted layers), in words; empty without it.
@@ -42,6 +43,7 @@ class RankLayout:
     tp_styles: dict[str, str] = field(default_factory=dict)
     fsdp_units: tuple[str, ...] = ()
     context: str = ""
+    experts: str = ""
     float8: str = ""
     sync: str = ""
     parallelized_by: str = "lightning-dist"
@@ -74,6 +76,8 @@ class RankLayout:
                 out.append(f"  {style}: {_abbreviate(names)}")
         if self.context:
             out.append(f"  {self.context}")
+        if self.experts:
+            out.append(f"  {self.experts}")
         if self.float8:
             out.append(f"  {self.float8}")
         if self.fsdp_units:

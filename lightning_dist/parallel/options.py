@@ -253,6 +253,17 @@ class ParallelOptions:
                 f"{p}compile=true with {p}cp={dims.cp}: compiled blocks with the context-parallel attention are not "
                 f"tested yet; set {p}compile=false or {p}cp=1."
             )
+        if dims.ep_enabled and self.compile:
+            raise ValueError(
+                f"{p}compile=true with {p}ep={dims.ep}: the dropless all-to-all's split sizes are read back to the "
+                f"host in every MoE block, which a whole-graph compile of the block cannot hold; set {p}compile=false "
+                f"or {p}ep=1."
+            )
+        if dims.ep_enabled and self.diloco:
+            raise ValueError(
+                f"{p}sync=diloco with {p}ep={dims.ep}: DiLoCo's outer step over expert-parallel replicas is not "
+                f"written yet; set {p}sync=every_step or {p}ep=1."
+            )
         if self.cpu_offload and not dims.dp_cp_enabled:
             raise ValueError(
                 f"{p}cpu_offload=true needs FSDP2 shards to offload but the layout is {dims.describe()}; set "
@@ -304,6 +315,15 @@ def resolve_cp_attention(attention: str, rotate: str, device_type: str, prefix: 
             f"all-gather attention on {device_type}; set {prefix}cp_rotate=allgather."
         )
     return resolved
+
+
+def check_expert_parallel(num_experts: int, ep: int, prefix: str = "") -> None:
+    """Raise a one-line ``ValueError`` when ``ep`` cannot split ``num_experts`` experts evenly."""
+    if ep > 1 and num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"{prefix}ep={ep} does not divide the {num_experts} experts of each MoE block; use an ep in {divisors}."
+        )
 
 
 def compile_with_tp_error(tp: int, prefix: str = "") -> str:

@@ -21,6 +21,7 @@ from lightning_dist.parallel.float8 import apply_float8
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
+from lightning_dist.strategies.metrics import sum_expert_load
 
 
 class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
@@ -33,6 +34,9 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     """
 
     strategy_name = "data_parallel"
+
+    #: Sums the MoE routers' token counts over the ranks each step (``metrics.sum_expert_load``).
+    sums_expert_load = True
 
     def __init__(
         self, *args: Any, options: ParallelOptions | None = None, on_nonfinite: str | None = None, **kwargs: Any
@@ -94,6 +98,8 @@ class DataParallelStrategy(GuardedStrategyMixin, LoaderOrderMixin, DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()
+        if self.world_size > 1:  # the MoE routers' load over the global batch, for the module's balancing
+            sum_expert_load(self.lightning_module)
         params = [p for p in self.lightning_module.parameters() if p.grad is not None]
         norm = global_grad_norm(params)  # all-reduced gradients: the same on every rank
         if self._clip_val is not None and params:

@@ -32,6 +32,7 @@ from lightning_dist.contract import (
     configure_loss_chunks,
     declared_blocks,
     declared_cp_spec,
+    declared_ep_spec,
     declared_tp_plan,
     module_hook,
 )
@@ -47,7 +48,7 @@ from lightning_dist.strategies.context import ContextParallelMixin
 from lightning_dist.strategies.guard import GuardedStrategyMixin
 from lightning_dist.strategies.loaders import LoaderOrderMixin
 from lightning_dist.strategies.materialize import materialize as materialize_model
-from lightning_dist.strategies.metrics import DataParallelMetricsMixin
+from lightning_dist.strategies.metrics import DataParallelMetricsMixin, sum_expert_load
 from lightning_dist.strategies.outer_sync import DiLoCoMixin
 from lightning_dist.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_dist.strategies.stages import PipelineStages
@@ -88,6 +89,8 @@ class MeshStrategy(
         tp: Tensor-parallel degree; ``-1`` = the rest.
         pp: Pipeline degree.
         cp: Context-parallel degree (the module's ``context_parallel_spec()``; see ``strategies/context.py``).
+        ep: Expert-parallel degree (the module's ``expert_parallel_spec()``; see ``parallel/expert.py``): MoE experts
+            split over ``ep`` of the ``dp_shard`` ranks.
         parallel_dims: A layout built already (the app builds it once from the config); replaces the degrees.
         options: How the axes work (TP plan, schedule, microbatches, activation checkpointing, compile, offload,
             the non-finite guard, async saves, process groups): a
@@ -97,6 +100,8 @@ class MeshStrategy(
     """
 
     strategy_name = "mesh"
+    #: Sums the MoE routers' token counts over the data-parallel ranks each step (``metrics.sum_expert_load``).
+    sums_expert_load = True
 
     def __init__(
         self,
@@ -105,6 +110,7 @@ class MeshStrategy(
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         *,
         parallel_dims: ParallelDims | None = None,
         options: ParallelOptions | None = None,
@@ -112,7 +118,7 @@ class MeshStrategy(
     ) -> None:
         self.options = ParallelOptions.build(options, **option_fields).for_mesh()
         super().__init__(process_group_backend=self.options.process_group_backend, timeout=self.options.timeout)
-        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
+        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
         self._parallel_dims = parallel_dims
         pp = parallel_dims.pp if parallel_dims is not None else pp
         if pp > 1:  # known before the world size: a pipeline option that cannot work fails at construction
@@ -242,15 +248,16 @@ class MeshStrategy(
             return  # parallelized by hand in configure_model
         tp_plan = declared_tp_plan(module, dims.tp, options) if dims.tp_enabled else None
         param_dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))
+        ep_spec = declared_ep_spec(module, dims.ep)
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
                 module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=param_dtype,
-                cp_spec=declared_cp_spec(module, dims.cp), materialize=materialize,
+                cp_spec=declared_cp_spec(module, dims.cp), ep_spec=ep_spec, materialize=materialize,
             )  # fmt: skip
             self._layout = self._pipeline.layout
             return
         done = parallelize(module, dims, options, tp_plan=tp_plan, cp_spec=declared_cp_spec(module, dims.cp),
-                           fsdp_units=declared_blocks(module), param_dtype=param_dtype)  # fmt: skip
+                           ep_spec=ep_spec, fsdp_units=declared_blocks(module), param_dtype=param_dtype)  # fmt: skip
         self._layout = RankLayout.of(dims, self.global_rank, **vars(done))  # its styles, FSDP2 units and cp attention
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only
@@ -370,6 +377,8 @@ class MeshStrategy(
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         loss = closure()  # forward + backward of the step's last (or only) micro batch
+        if self.parallel_dims.dp_cp_size > 1:  # the MoE routers' load over the global batch, for the module's balancing
+            sum_expert_load(self.lightning_module, self.dp_group)
         norm = self._clip_gradients()
         apply = self.with_outer_step(partial(super().optimizer_step, optimizer, lambda: loss, model, **kwargs))
         return self.nonfinite_guard.optimizer_step(optimizer, norm, loss, self.lightning_module, apply)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
+from lightning_dist.contract import module_hook
 from lightning_dist.parallel_dims import ParallelDims
 
 
@@ -70,3 +71,19 @@ class DataParallelMetricsMixin:
 def _own_states(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     """A torchmetrics ``dist_sync_fn`` that gathers nothing: this rank's state is the whole state."""
     return [tensor]
+
+
+def sum_expert_load(module: Any, group: Any = None) -> None:
+    """Sum the routers' token counts of ``module`` (its ``expert_parallel_spec().load``) over ``group``, the ranks
+    holding other tokens of the step (the data-parallel and cp ranks; tp and pp peers count the same tokens), in one
+    all-reduce with no read back to the host; nothing without them. The strategies call it after the step's last
+    backward, so the module's ``on_before_optimizer_step`` balances the experts by the global batch's load."""
+    hook = module_hook(module, "expert_parallel_spec")
+    spec = hook() if hook is not None else None
+    tensors = list(spec.load()) if spec is not None and spec.load is not None else []
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, group=group)
+    for tensor, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(summed.view_as(tensor))

@@ -29,11 +29,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dist import _compat
 from lightning_dist._compat import module_children
-from lightning_dist.contract import module_hook
+from lightning_dist.contract import declared_pipeline_spec
 from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
 from lightning_dist.parallel.compose import parallelize, shared_parameters
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
@@ -89,6 +90,7 @@ class PipelineStages:
         tp_plan: TensorParallelPlan | None,
         param_dtype: torch.dtype | None,
         cp_spec: ContextParallelSpec | None = None,
+        ep_spec: ExpertParallelSpec | None = None,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -102,7 +104,7 @@ class PipelineStages:
         """
         schedule, stages_per_rank = options.schedule, options.stages_per_rank
         microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
-        spec = _pipeline_spec(module)
+        spec = declared_pipeline_spec(module)
         if options.loss_chunks and spec.head is None:
             raise ValueError(
                 f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies "
@@ -122,6 +124,14 @@ class PipelineStages:
             tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
         if cp_spec is not None:
             cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
+        if ep_spec is not None and dims.ep_enabled and not _compat.infers_stage_shapes_on_real_tensors():
+            raise ValueError(
+                f"pp={dims.pp} with ep={dims.ep} needs torch >= 2.13: torch {torch.__version__} infers a stage's "
+                "shapes on meta tensors, which the experts' all-to-all cannot exchange; upgrade torch, or set pp=1 or "
+                "ep=1."
+            )
+        if ep_spec is not None:  # the experts' names relative to the split model, as the stages hold them
+            ep_spec = ep_spec.relative_to(f"{spec.model_attr}.")
         stage_of = tied.stage_of_name(spec, keys, groups)
         stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
         if stage_ties and dims.tp_enabled:
@@ -138,7 +148,7 @@ class PipelineStages:
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
 
-        views, tp_styles, fsdp_units = [], {}, []
+        views, tp_styles, fsdp_units, experts = [], {}, [], ""
         for sid, blocks in zip(stage_ids, stage_blocks):
             view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
             done = parallelize(
@@ -148,6 +158,7 @@ class PipelineStages:
                 # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
                 tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
                 cp_spec=cp_spec,
+                ep_spec=ep_spec,
                 fsdp_units=list(module_children(spec.blocks(view)).values()),
                 fsdp_roots=[view],
                 param_dtype=param_dtype,
@@ -156,6 +167,7 @@ class PipelineStages:
             )
             prefix = f"{spec.model_attr}."  # names as the LightningModule's, like a whole model's
             tp_styles.update({prefix + name: style for name, style in done.tp_styles.items()})
+            experts = experts or done.experts
             fsdp_units += [f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
                            for unit in done.fsdp_units]  # fmt: skip
             views.append(view)
@@ -165,13 +177,16 @@ class PipelineStages:
                 pipeline.share_buffers(view, model)
         pp_group = dims.group("pp")
         stages = [_compat.pipeline_stage(view, i, num_stages, device, pp_group) for view, i in zip(views, stage_ids)]
+        if ep_spec is not None and ep_spec.load is not None:  # torch's shape inference must not count tokens
+            for stage in stages:
+                _compat.around_pipeline_metadata_inference(stage, ep_spec.load_kept)
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
         runner.layout = RankLayout.of(
             dims, global_rank, stages=tuple(stage_ids), blocks=tuple(tuple(f"{spec.blocks_attr}.{key}" if
             spec.blocks_attr else key for key in blocks) for blocks in stage_blocks), tp_styles=tp_styles,
-            fsdp_units=tuple(fsdp_units),
+            fsdp_units=tuple(fsdp_units), experts=experts,
         )  # fmt: skip
         return runner
 
@@ -374,25 +389,6 @@ class PipelinedModel:
         if name == "_stages":  # not set yet (copy / unpickle): no recursion
             raise AttributeError(name)
         return getattr(self._stages.spec.model(self._stages.module), name)
-
-
-def _pipeline_spec(module: pl.LightningModule) -> pipeline.PipelineSpec:
-    spec_fn = module_hook(module, "pipeline_spec")
-    if spec_fn is None:
-        raise ValueError(
-            f"{type(module).__name__} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec "
-            "(model, blocks, first/last parts, loss), or set pp=1."
-        )
-    spec: pipeline.PipelineSpec = spec_fn()
-    if spec.loss_fn is None:
-        raise ValueError(f"{type(module).__name__}.pipeline_spec() has no loss_fn; set loss_fn=(outputs, targets).")
-    model = spec.model(module)
-    if spec.stage_forward is None and type(model).forward is nn.Module.forward:
-        raise ValueError(
-            f"pipeline_spec().model_attr={spec.model_attr!r} is a {type(model).__name__}, which has no forward for a "
-            "stage to run; point model_attr at a module with a forward, or give PipelineSpec(stage_forward=...)."
-        )
-    return spec
 
 
 def _local(tensor: Tensor) -> Tensor:
