@@ -49,7 +49,7 @@ def train(*overrides: str, cwd: Path, timeout: int = 300, **extra_env: str) -> s
         (["+optim.lrr=1"], r"^error: optim.lrr is not a field of optim \(OptimConfig\); did you mean optim.lr\?"),
         (
             ["parallelism=fsdp2"],
-            r"^error: parallelism=fsdp2 is not an option of parallelism: use one of 3d, ddp, diloco, fsdp, pp, tp, "
+            r"^error: parallelism=fsdp2 is not an option of parallelism: use one of 3d, ddp, diloco, ep, fsdp, pp, tp, "
             r"tp_fsdp; did you mean parallelism=fsdp\?$",
         ),
         (["recipe=tiny_dp_cpu"], r"^error: recipe=tiny_dp_cpu is not an option of recipe: .*did you mean recipe=tiny_"),
