@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lightning_dist.data import corpus
+from lightning_dist.data.config import sources
 
 
 def streamed_mixture(
@@ -140,8 +141,6 @@ class StreamedWindows(IterableDataset):
 def build_streamed_windows(cfg: Any, seed: int, rank: int, world_size: int, kept: int) -> StreamedWindows:
     """``data=hf data.streaming=true``: the train stream of ``cfg`` (its sources, ``data.weights``, the data seed)
     for one data-parallel rank."""
-    from lightning_dist.data.config import sources
-
     files = [[str(f) for f in corpus.corpus_files(path)] for path in sources(cfg)]
     stream = streamed_mixture(files, cfg.weights, seed, cfg.sample_by)
     tokenizer = corpus.load_tokenizer(cfg.tokenizer)
