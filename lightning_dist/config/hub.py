@@ -129,10 +129,19 @@ def looks_like_hub_id(path: str) -> bool:
 
 def resolve_data_path(data: object) -> None:
     """``data=hf``: a ``data.path`` / ``data.val_path`` that is a hub dataset id, not a local path, becomes the local
-    snapshot of its data files (:func:`hub_snapshot`), which ``data=hf`` then reads as a folder. In place."""
+    snapshot of its data files (:func:`hub_snapshot`), which ``data=hf`` then reads as a folder; each source of a
+    mixture (a list ``data.path``) alike. In place."""
     if getattr(data, "kind", None) != "hf":
         return
+
+    def local(field: str, value: str) -> str:
+        if value and not Path(value).expanduser().exists() and looks_like_hub_id(value):
+            return str(hub_snapshot(f"data.{field}", value, kind="dataset"))
+        return value
+
     for field in ("path", "val_path"):
         value = getattr(data, field, None)
-        if value and not Path(value).expanduser().exists() and looks_like_hub_id(value):
-            setattr(data, field, str(hub_snapshot(f"data.{field}", value, kind="dataset")))
+        if isinstance(value, str) or value is None:
+            setattr(data, field, local(field, value) if value else value)
+        else:  # data.streaming=true: a mixture, a list of sources
+            setattr(data, field, [local(field, str(v)) for v in value])

@@ -35,9 +35,10 @@ class DataConfig:
     vocab_size: int = 256
     """synthetic: alphabet size; text: ignored (fixed 256 byte-level); tokens: vocabulary of the .bin files; hf:
     ignored (the tokenizer's)."""
-    path: str | None = None
+    path: Any = None
     """text: a file, a directory or a glob; tokens: a directory holding train.bin and val.bin; hf: a file, a directory
-    or a glob of .txt, .jsonl / .json or .parquet files (one kind)."""
+    or a glob of .txt, .jsonl / .json or .parquet files (one kind), or a hub dataset id; with data.streaming=true also
+    a list of them, a weighted mixture of sources (data.weights)."""
     val_fraction: float = 0.1
     """text: fraction of the concatenated bytes, taken at the tail, used for validation; hf: fraction of the windows,
     taken at the tail (ignored with data.val_path)."""
@@ -76,6 +77,13 @@ class DataConfig:
     (~/.cache/lightning_dist/data). Multi-node: a folder every node sees."""
     num_proc: int | None = None
     """hf: processes that tokenize (datasets' map); None = min(8, CPU count)."""
+    streaming: bool = False
+    """hf, format=text: read the train corpus as it is needed, tokenized and packed on the fly, nothing cached (a
+    corpus larger than disk); the position in the stream is checkpointed, so a resume continues it exactly, under
+    any data-parallel size. Validation reads data.val_path (cached as usual); without it validation is off."""
+    weights: list[float] | None = None
+    """hf, data.streaming=true with a list data.path: each source's share of the records drawn (normalized; the
+    shorter sources are read again until every one is done); None = equal shares."""
 
 
 def validate_data_config(cfg: Any) -> None:
@@ -98,6 +106,13 @@ def validate_data_config(cfg: Any) -> None:
         raise ValueError(f"data.seq_len={cfg.seq_len} must be >= 1; pass a positive sequence length")
     if cfg.num_workers < 0:
         raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0; pass 0 to load in the main process")
+    if cfg.kind != "hf" and getattr(cfg, "streaming", False):
+        raise ValueError(f"data.streaming=true reads data=hf corpora; data.kind={cfg.kind}: set data.streaming=false")
+    if cfg.kind != "hf" and not (cfg.path is None or isinstance(cfg.path, str)):
+        raise ValueError(
+            f"data.path={_shown(cfg.path)} is a list; data.kind={cfg.kind} reads one path (a mixture of sources is "
+            "data=hf data.streaming=true)"
+        )
     if cfg.kind == "synthetic":
         if cfg.vocab_size < 2:
             raise ValueError(f"data.vocab_size={cfg.vocab_size} must be >= 2 for synthetic data; pass a larger vocab")
@@ -173,8 +188,53 @@ def _validate_hf(cfg: Any) -> None:
         raise ValueError(f"data.sample_by={cfg.sample_by!r} is unknown; use one of {', '.join(SAMPLE_BY)}")
     if cfg.num_proc is not None and cfg.num_proc < 1:
         raise ValueError(f"data.num_proc={cfg.num_proc} must be >= 1, or null for min(8, CPU count)")
+    if getattr(cfg, "streaming", False):
+        _validate_streaming(cfg)
+        return
+    if not isinstance(cfg.path, str):
+        raise ValueError(
+            f"data.path={_shown(cfg.path)} is a list, a mixture of sources, which only data.streaming=true reads; "
+            "set data.streaming=true, or prepare a mixture with lightning-dist-prepare --weights"
+        )
+    if getattr(cfg, "weights", None) is not None:
+        raise ValueError(
+            f"data.weights={_shown(cfg.weights)} weighs a mixture, which only data.streaming=true reads; set "
+            "data.streaming=true with a list data.path, or drop data.weights"
+        )
     if cfg.val_path is None and not 0.0 < cfg.val_fraction < 1.0:
         raise ValueError(
             f"data.val_fraction={cfg.val_fraction} must be in (0, 1); pass e.g. data.val_fraction=0.05, or a separate "
             "corpus as data.val_path"
+        )
+
+
+def sources(cfg: Any) -> list[str]:
+    """``data.path`` as a list of sources (one path or hub id, or a list of them)."""
+    return [cfg.path] if isinstance(cfg.path, str) else [str(p) for p in cfg.path]
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if not isinstance(value, str) else value
+
+
+def _validate_streaming(cfg: Any) -> None:
+    """data=hf data.streaming=true: text documents read in the main process, a mixture weighted one per source."""
+    paths = cfg.path if isinstance(cfg.path, str) else list(cfg.path)
+    if not paths or not all(isinstance(p, str) and p for p in sources(cfg)):
+        raise ValueError(f"data.path={_shown(cfg.path)}: give a path or hub id, or a non-empty list of them")
+    if cfg.format != "text":
+        raise ValueError(
+            f"data.streaming=true reads data.format=text documents; data.format={cfg.format} is cached only: set "
+            "data.streaming=false"
+        )
+    if cfg.num_workers != 0:
+        raise ValueError(
+            f"data.num_workers={cfg.num_workers} with data.streaming=true: the stream's position lives in the main "
+            "process; set data.num_workers=0"
+        )
+    weights = cfg.weights
+    if weights is not None and (len(weights) != len(sources(cfg)) or any(w <= 0 for w in weights)):
+        raise ValueError(
+            f"data.weights={_shown(weights)}: give one positive weight per source of data.path "
+            f"({len(sources(cfg))} sources)"
         )

@@ -10,9 +10,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
-from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
+from lightning_dist.data import corpus
+from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, sources, validate_data_config
 from lightning_dist.data.files import TextDataset, TokenDataset
 from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
+from lightning_dist.data.streaming import StreamedWindows, build_streamed_windows
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
 from lightning_dist.data.token_norm import GlobalBatchTokensSampler, batch_tokens
 
@@ -56,6 +58,8 @@ class TokenDataModule(pl.LightningDataModule):
         self._chain: MarkovChain | None = None
         self._datasets: dict[str, Dataset] = {}
         self._resume_step = 0  # optimizer steps already taken by the checkpoint this run resumes from
+        self._stream: StreamedWindows | None = None  # data.streaming: the train stream, built with the loader
+        self._stream_state: dict[str, Any] | None = None  # data.streaming: the position a resume continues from
 
     @staticmethod
     def per_rank_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -80,6 +84,8 @@ class TokenDataModule(pl.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Vocabulary size the model must embed (256 for byte-level text, the tokenizer's for data=hf)."""
+        if self.cfg.kind == "hf" and self.cfg.streaming:
+            return len(corpus.load_tokenizer(self.cfg.tokenizer))
         if self.cfg.kind == "hf":
             return self.dataset("train").vocab_size
         return _BYTE_VOCAB if self.cfg.kind == "text" else int(self.cfg.vocab_size)
@@ -88,7 +94,8 @@ class TokenDataModule(pl.LightningDataModule):
         """data=hf: tokenize and cache the corpus if it is not cached yet. Lightning calls this on one process per
         node before ``setup``, so the ranks only open the cache (the app has built it before launching them)."""
         if self.cfg.kind == "hf":
-            build_cache(self.cfg, "data.path")
+            if not self.cfg.streaming:
+                build_cache(self.cfg, "data.path")
             if self.cfg.val_path is not None:
                 build_cache(self.cfg, "data.val_path")
 
@@ -106,6 +113,10 @@ class TokenDataModule(pl.LightningDataModule):
             }
         elif cfg.kind == "text":
             self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
+        elif cfg.kind == "hf" and cfg.streaming:
+            for path in sources(cfg):
+                corpus.corpus_files(path)  # missing sources fail here, before launch; the stream is built per rank
+            self._datasets = {"val": _packed(build_cache(cfg, "data.val_path"))} if cfg.val_path else {}
         elif cfg.kind == "hf":
             self._datasets = dict(hf_datasets(cfg))
         else:
@@ -116,6 +127,9 @@ class TokenDataModule(pl.LightningDataModule):
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r} is unknown; use 'train' or 'val'")
         self.setup()
+        if split not in self._datasets:
+            raise ValueError(f"data.streaming=true has no {split} dataset to index (train is a stream; val needs "
+                             "data.val_path)")  # fmt: skip
         return self._datasets[split]
 
     def data_parallel_info(self) -> tuple[int, int]:
@@ -145,6 +159,8 @@ class TokenDataModule(pl.LightningDataModule):
             raise ValueError(f"data-parallel rank {rank} is outside [0, {num_replicas}); check the strategy's sizes")
         per_rank = self.per_rank_batch_size(self.cfg.global_batch_size, num_replicas)
         batch_size = self.loader_batch_size(per_rank)
+        if split == "train" and self.cfg.kind == "hf" and self.cfg.streaming:
+            return self._streamed_loader(num_replicas, rank, per_rank, batch_size)
         dataset = self.dataset(split)
         train = split == "train"
         if train and len(dataset) < self.cfg.global_batch_size:
@@ -201,20 +217,42 @@ class TokenDataModule(pl.LightningDataModule):
             )
         return batch_size
 
+    def _streamed_loader(self, num_replicas: int, rank: int, per_rank: int, batch_size: int) -> DataLoader:
+        """data.streaming: this rank's share of the stream, continued from the checkpoint's position on resume."""
+        # The states of the last boundaries are kept for state_dict: more than the loader and the fit loop read ahead.
+        self._stream = build_streamed_windows(self.cfg, self.seed, rank, num_replicas, kept=4 * per_rank)
+        if self._stream_state is not None:
+            self._stream.load_state_dict(self._stream_state)
+        return DataLoader(self._stream, batch_size=batch_size, drop_last=True, num_workers=0)
+
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: how far into the data stream training got."""
-        return {"global_step": int(self.trainer.global_step) if self.trainer is not None else 0}
+        """Saved in Lightning checkpoints: how far into the data stream training got (data.streaming: the stream's
+        position before the first window not yet trained on, not the loader's, which reads ahead)."""
+        step = int(self.trainer.global_step) if self.trainer is not None else 0
+        if self._stream is not None:  # global_step x global batch windows consumed; the same on every rank
+            return {"global_step": step, "stream": self._stream.state_at(step * self.cfg.global_batch_size)}
+        if self._stream_state is not None:  # resumed, and no batch read since
+            return {"global_step": step, "stream": self._stream_state}
+        return {"global_step": step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """On resume, continue the interrupted epoch where it stopped instead of replaying it from the start."""
+        """On resume, continue the interrupted epoch (or the stream) where it stopped instead of replaying it."""
         self._resume_step = int(state_dict.get("global_step", 0))
+        self._stream_state = state_dict.get("stream")
+        if self.cfg.kind == "hf" and self.cfg.streaming and self._resume_step and self._stream_state is None:
+            raise ValueError(
+                f"the checkpoint (step {self._resume_step}) holds no stream position: it was not saved with "
+                "data.streaming=true; resume with the data config it was saved with"
+            )
 
     def train_dataloader(self) -> DataLoader:
         """Returns this data-parallel rank's shuffled train loader."""
         return self.build_dataloader("train", *self.data_parallel_info())
 
-    def val_dataloader(self) -> DataLoader:
-        """Returns this data-parallel rank's in-order val loader."""
+    def val_dataloader(self) -> DataLoader | list:
+        """Returns this data-parallel rank's in-order val loader (none: data.streaming=true without data.val_path)."""
+        if self.cfg.kind == "hf" and self.cfg.streaming and self.cfg.val_path is None:
+            return []  # validation off: Lightning runs no val loop without a loader
         return self.build_dataloader("val", *self.data_parallel_info())
 
 
@@ -279,3 +317,8 @@ def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:
         A TokenDataModule.
     """
     return TokenDataModule(cfg, seed=seed)
+
+
+def _packed(folder: Any) -> PackedDataset:
+    """All the windows of a data=hf cache folder."""
+    return PackedDataset(folder, np.load(folder / "windows.npy"))

@@ -18,7 +18,8 @@ size, makes it continue from that window exactly. :meth:`~StreamedWindows.state_
 window among the last few boundaries passed (a loader reads ahead of training: a checkpoint wants the state before
 the first window not yet trained on). No distributed code here; the caller gives the rank and world size.
 
-Not yet wired into the app (``data.streaming``): this is the dataset and its state, tested on its own.
+``data=hf data.streaming=true`` (:mod:`lightning_dist.data.datamodule`) serves it, and checkpoints ``state_at`` the
+windows training has consumed.
 """
 
 from __future__ import annotations
@@ -32,16 +33,23 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lightning_dist.data import corpus
+from lightning_dist.data.config import sources
 
 
-def streamed_mixture(files: Sequence[Sequence[str]], weights: Sequence[float] | None, seed: int) -> Any:
-    """datasets' streaming mixture of ``files`` (one list of files per source), drawn with ``weights`` (normalized)."""
+def streamed_mixture(
+    files: Sequence[Sequence[str]], weights: Sequence[float] | None, seed: int, sample_by: str = "document"
+) -> Any:
+    """datasets' streaming mixture of ``files`` (one list of files per source), drawn with ``weights`` (normalized);
+    ``.txt`` files give one record per ``sample_by`` (``data.sample_by``)."""
     import datasets  # optional dependency: lightning-dist[hf]
 
     sources = []
     for group in files:
         loader = corpus.SUFFIXES[Path(group[0]).suffix.lower()]
-        sources.append(datasets.load_dataset(loader, data_files=list(map(str, group)), split="train", streaming=True))
+        kwargs = {"sample_by": sample_by} if loader == "text" else {}
+        sources.append(
+            datasets.load_dataset(loader, data_files=list(map(str, group)), split="train", streaming=True, **kwargs)
+        )
     if len(sources) == 1:
         return sources[0]
     if weights is not None and (len(weights) != len(sources) or any(w <= 0 for w in weights)):
@@ -60,17 +68,20 @@ class StreamedWindows(IterableDataset):
         tokenizer: The tokenizer (``corpus.load_tokenizer``).
         data: The data config (its ``format`` must be ``text``; ``text_field``, ``seq_len``).
         rank: This data-parallel rank; ``world_size``: how many there are.
+        kept: How many of the last boundaries' states :meth:`state_at` can give (more than the loader reads ahead).
     """
 
     #: Boundaries (windows that are multiples of the world size) whose states are kept for :meth:`state_at`.
     KEPT = 64
 
-    def __init__(self, stream: Any, tokenizer: Any, data: Any, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, stream: Any, tokenizer: Any, data: Any, rank: int = 0, world_size: int = 1, kept: int = KEPT
+    ) -> None:
         if data.format != "text":
             raise ValueError(f"data.streaming reads data.format=text; data.format={data.format} is cached only.")
         if not 0 <= rank < world_size:
             raise ValueError(f"data-parallel rank {rank} is outside [0, {world_size}); check the strategy's sizes")
-        self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.stream, self.rank, self.world_size, self.kept = stream, rank, world_size, kept
         self.tokenize = corpus.Tokenize(tokenizer, data)
         self.field = data.text_field
         self.length = data.seq_len + 1
@@ -78,6 +89,7 @@ class StreamedWindows(IterableDataset):
         self._stream_state: dict[str, Any] | None = None
         self._window = 0  # the global index of the next window
         self._states: dict[int, dict[str, Any]] = {}
+        self._start = copy.deepcopy(stream.state_dict())  # where a new pass over the sources starts
 
     def state_dict(self) -> dict[str, Any]:
         """The position now: the next window's global index, the mixture's state, the tokens not yet packed."""
@@ -85,7 +97,7 @@ class StreamedWindows(IterableDataset):
         return {"window": self._window, "stream": copy.deepcopy(stream), "buffer": list(self._buffer)}
 
     def state_at(self, window: int) -> dict[str, Any]:
-        """The state before global window ``window`` (a multiple of the world size among the last :data:`KEPT`)."""
+        """The state before global window ``window`` (a multiple of the world size among the last ``kept``)."""
         if window not in self._states:
             raise ValueError(f"the stream's state before window {window} is not kept (kept: {sorted(self._states)}).")
         return copy.deepcopy(self._states[window])
@@ -115,10 +127,21 @@ class StreamedWindows(IterableDataset):
         while True:
             if self._window % self.world_size == 0:  # a boundary: every rank's state is the same here
                 self._states[self._window] = self.state_dict()
-                self._states.pop(self._window - self.KEPT * self.world_size, None)
+                self._states.pop(self._window - self.kept * self.world_size, None)
             window = self._next_window(records)
-            if window is None:
+            if window is None:  # the sources are done: the next pass (epoch) reads them again from the start
+                self.stream.load_state_dict(copy.deepcopy(self._start))
+                self._stream_state = copy.deepcopy(self._start)
                 return
             if (self._window - 1) % self.world_size == self.rank:
                 tokens = torch.tensor(window, dtype=torch.long)
                 yield tokens[:-1], tokens[1:]
+
+
+def build_streamed_windows(cfg: Any, seed: int, rank: int, world_size: int, kept: int) -> StreamedWindows:
+    """``data=hf data.streaming=true``: the train stream of ``cfg`` (its sources, ``data.weights``, the data seed)
+    for one data-parallel rank."""
+    files = [[str(f) for f in corpus.corpus_files(path)] for path in sources(cfg)]
+    stream = streamed_mixture(files, cfg.weights, seed, cfg.sample_by)
+    tokenizer = corpus.load_tokenizer(cfg.tokenizer)
+    return StreamedWindows(stream, tokenizer, cfg, rank, world_size, kept=max(kept, StreamedWindows.KEPT))

@@ -112,3 +112,15 @@ def test_lightning_dist_prepare_reads_a_hub_dataset_id(hub: HubStandIn, tmp_path
     expected = [t for line in lines for t in [*tok(line)["input_ids"], tok.eos_token_id]]
     assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
     assert hub.fetched("part-0.jsonl") == 1
+
+
+def test_a_streamed_mixture_s_hub_sources_are_read_as_folders(hub: HubStandIn, tmp_path: Path) -> None:
+    local = tmp_path / "local.jsonl"
+    local.write_text("".join(json.dumps({"text": f"local {i}"}) + "\n" for i in range(8)))
+    cfg = compose_config([*FAST, "data=hf", "data.streaming=true", f"data.path=[tiny-org/tiny-corpus,{local}]",
+                          "data.weights=[1,2]", "data.tokenizer=/unused"])  # fmt: skip
+    from lightning_dist.config.hub import resolve_data_path
+
+    resolve_data_path(cfg.data)
+    hubbed, kept = cfg.data.path
+    assert (Path(hubbed) / "train" / "part-0.jsonl").is_file() and kept == str(local)

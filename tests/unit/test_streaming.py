@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
@@ -77,3 +78,54 @@ def test_the_ranks_windows_together_are_one_process_s_and_resume_under_another_w
     assert rest == whole[8:]
     with pytest.raises(ValueError, match=r"^the stream's state before window 7 is not kept"):
         dataset.state_at(7)
+
+
+STREAMING = ["data=hf", "data.streaming=true", "data.tokenizer=/unused"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.path=[a.jsonl,b.jsonl]", "data.streaming=false"], r"^data.path=\['a.jsonl', 'b.jsonl'\] is a list, "
+         r"a mixture of sources, which only data.streaming=true reads; set data.streaming=true"),
+        (["data.path=a.jsonl", "data.weights=[1,2]", "data.streaming=false"], r"^data.weights=\[1.0, 2.0\] weighs a "
+         r"mixture, which only data.streaming=true reads"),
+        (["data.path=[a.jsonl,b.jsonl]", "data.weights=[1]"], r"^data.weights=\[1.0\]: give one positive weight per "
+         r"source of data.path \(2 sources\)"),
+        (["data.path=[a.jsonl,b.jsonl]", "data.weights=[1,0]"], r"^data.weights=\[1.0, 0.0\]: give one positive"),
+        (["data.path=a.jsonl", "data.format=chat"], r"^data.streaming=true reads data.format=text documents; "
+         r"data.format=chat is cached only"),
+        (["data.path=a.jsonl", "data.num_workers=2"], r"^data.num_workers=2 with data.streaming=true: .* set "
+         r"data.num_workers=0"),
+        (["data.path=[]"], r"^data.path=\[\]: give a path or hub id, or a non-empty list of them"),
+        (["data=text", "data.streaming=true"], r"^data.streaming=true reads data=hf corpora; data.kind=text: set "),
+        (["data=text", "data.streaming=false", "data.path=[a,b]"], r"^data.path=\['a', 'b'\] is a list; data.kind=text "
+         r"reads one path"),
+    ],
+)  # fmt: skip
+def test_bad_streaming_configs_stop_with_one_line(overrides: list[str], message: str) -> None:
+    from helpers import FAST, compose_config
+
+    from lightning_dist.data.config import validate_data_config
+
+    cfg = compose_config([*FAST, *STREAMING, *overrides])
+    with pytest.raises(ValueError, match=message) as err:
+        validate_data_config(cfg.data)
+    assert "\n" not in str(err.value)
+
+
+def test_the_datamodule_streams_train_and_validates_on_data_val_path_or_not_at_all(setup, tmp_path) -> None:
+    from lightning_dist.data.datamodule import TokenDataModule
+
+    files, _, data = setup
+    cfg = replace(data, path=[f[0] for f in files], weights=[1, 3], streaming=True, seed=7, global_batch_size=4)
+    module = TokenDataModule(cfg)
+    assert module.val_dataloader() == []  # validation off without data.val_path
+    loader = module.train_dataloader()
+    first = [batch for _, batch in zip(range(3), loader)]
+    expected, _ = _windows(setup, take=12)
+    assert [w for inputs, targets in first for w in torch.cat([inputs, targets[:, -1:]], 1).tolist()] == expected
+    state = module.state_dict()  # no Trainer: step 0, the start of the stream (not the 12 windows read)
+    assert state["stream"]["window"] == 0
+    val = replace(cfg, val_path=files[0][0], cache_dir=str(tmp_path / "cache"), num_proc=1)
+    assert len(TokenDataModule(val).val_dataloader().dataset) > 0  # data.val_path: cached windows, as usual
