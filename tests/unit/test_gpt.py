@@ -238,4 +238,5 @@ def test_an_hf_llama_counts_the_flops_of_the_built_in_gpt_of_its_shape() -> None
 
     cfg = tiny(n_kv_heads=2)
     fields = {k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "model_type")}
-    assert HFCausalLM(transformers.LlamaConfig(**fields)).flops_per_token(16) == GPT(cfg).flops_per_token(16)
+    model = HFCausalLM(transformers.LlamaConfig(**fields))
+    assert model.flops_per_token(32) == GPT(cfg).flops_per_token(32) != 6 * GPT(cfg).num_params(exclude_embedding=False)
