@@ -202,21 +202,29 @@ def run_rows(names: list[str], smoke: bool, steps: int, timeout_s: float) -> lis
     """Each row in a fresh process; a row that fails or runs out of time is one line in the table."""
     results = []
     for name in names:
-        command = [sys.executable, __file__, "--row", name, "--steps", str(steps), *(["--smoke"] if smoke else [])]
-        started = time.perf_counter()
-        try:
-            path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-            env = {**os.environ, "PYTHONPATH": path}
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "row": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}  # fmt: skip
-        except subprocess.TimeoutExpired:
-            row = {"row": name, "error": f"timed out after {timeout_s:.0f} s"}
-        row["wall_s"] = round(time.perf_counter() - started, 1)
+        row = _run_row(name, smoke, steps, timeout_s)
+        if "EADDRINUSE" in row.get("error", ""):  # its store's free port taken by another job meanwhile: run it again
+            row = _run_row(name, smoke, steps, timeout_s)
         results.append(row)
         print(json.dumps(row), flush=True)
     return results
+
+
+def _run_row(name: str, smoke: bool, steps: int, timeout_s: float) -> dict[str, Any]:
+    """Row ``name`` in a fresh process: its result, or its error in one line."""
+    command = [sys.executable, __file__, "--row", name, "--steps", str(steps), *(["--smoke"] if smoke else [])]
+    started = time.perf_counter()
+    try:
+        path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        env = {**os.environ, "PYTHONPATH": path}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+            "row": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}  # fmt: skip
+    except subprocess.TimeoutExpired:
+        row = {"row": name, "error": f"timed out after {timeout_s:.0f} s"}
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    return row
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
