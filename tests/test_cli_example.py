@@ -46,7 +46,11 @@ def one(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     "layout",
     [
         ["--trainer.strategy=lightning_dist.TensorParallelStrategy", "--trainer.strategy.tp=2"],
-        ["--trainer.strategy=lightning_dist.PipelineParallelStrategy", "--trainer.strategy.pp=2"],
+        # The same CLI path with another strategy class (pipelines: tests/distributed/test_pipeline*.py).
+        pytest.param(
+            ["--trainer.strategy=lightning_dist.PipelineParallelStrategy", "--trainer.strategy.pp=2"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["tp2", "pp2"],
 )
