@@ -83,7 +83,8 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
         else:
             _print_cost_curve(cfg, rows, float(tokens), price)
         return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
-    fixed = {"float8": cfg.parallelism.float8, "loss_chunks": cfg.parallelism.loss_chunks}  # every layout: the run's
+    par = cfg.parallelism  # every layout: the run's float8, loss_chunks and cpu_offload
+    fixed = {"float8": par.float8, "loss_chunks": par.loss_chunks, "cpu_offload": par.cpu_offload}
     found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism),
                  context_parallel, fixed)  # fmt: skip
     if not found:

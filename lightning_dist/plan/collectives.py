@@ -41,62 +41,23 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import exchange_sizes
 from lightning_dist.parallel.diloco import build_fragments
 from lightning_dist.parallel.pipeline import stage_ids
-from lightning_dist.parallel_dims import DP, DP_CP, DP_SHARD_CP, REPORTED_AXIS
+from lightning_dist.parallel_dims import DP, DP_CP, DP_SHARD_CP, EFSDP, EFSDP_CP, REPORTED_AXIS
 from lightning_dist.plan.layout import Layout, stage_blocks
+from lightning_dist.plan.tensors import (
+    Collective,
+    Dtypes,
+    Tensor,
+    expert_tensors,
+    moe_block_tensors,
+    moe_blocks_of_stage,
+)
 
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20  # torch DDP's bucket_cap_mb and first bucket
-
-
-@dataclass(frozen=True)
-class Collective:
-    """``calls`` calls of one op on one axis, each moving ``size`` bytes; ``what`` says who issues them."""
-
-    axis: str
-    op: str
-    size: int
-    calls: int
-    what: str
-
-    @property
-    def bytes(self) -> int:
-        return self.size * self.calls
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes per element: gathered parameters / activations, gradient reduction, and the master weights."""
-
-    compute: int = 2
-    reduce: int = 4
-    master: int = 4
-
-    @classmethod
-    def of(cls, precision: str) -> Dtypes:
-        """From Lightning's precision string: ``bf16-mixed`` (fp32 master weights, bf16 compute, fp32 reduction)."""
-        if precision in ("32-true", "32", "64-true"):
-            size = 8 if precision == "64-true" else 4
-            return cls(size, size, size)
-        if precision.endswith("-true"):
-            return cls(2, 2, 2)
-        return cls(2, 4, 4)
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """A parameter as one rank holds it before FSDP2: tp-local shape, and whether SP leaves its gradient partial."""
-
-    dim0: int
-    rest: int
-    partial_grad: bool = False
-
-    def padded(self, dp_shard: int) -> int:
-        return math.ceil(self.dim0 / dp_shard) * dp_shard * self.rest
 
 
 def block_tensors(cfg: GPTConfig, tp: int, sequence_parallel: bool = True) -> list[Tensor]:
@@ -214,7 +175,11 @@ def step_collectives(
     sp = lay.sequence_parallel
     roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]
     block = block_tensors(cfg, tp, sp)
-    all_tensors = [t for root in roots for t in root] + block * blocks
+    moe = moe_blocks_of_stage(cfg, lay, stage)  # MoE blocks come after the dense ones (moe.dense_layers)
+    experts = expert_tensors(cfg, lay.ep) if moe else []
+    moe_block = moe_block_tensors(cfg, tp, sp) + (experts if lay.ep == 1 else [])  # ep > 1: the experts' own unit
+    moe_tensors = (moe_block_tensors(cfg, tp, sp) + experts) * moe
+    all_tensors = [t for root in roots for t in root] + block * (blocks - moe) + moe_tensors
     if ddp:
         size = sum(t.dim0 * t.rest for t in all_tensors) * dt.reduce
         buckets = 1 + math.ceil(max(0, size - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
@@ -222,7 +187,12 @@ def step_collectives(
         return out
 
     # FSDP2: one unit per block, one for the rest of each stage.
-    unit_tensors = [block] * blocks + [root for root in roots if root]
+    unit_tensors = [block] * (blocks - moe) + [moe_block] * moe + [root for root in roots if root]
+    # (tensors, FSDP2 group size, its axis, gathered once): the blocks' units, then the experts' under ep > 1
+    units_ = [(tensors_, shard, shard_axis, index >= blocks - 1) for index, tensors_ in enumerate(unit_tensors)]
+    if lay.ep > 1:  # FSDP2 over the ranks holding the same experts (efsdp x cp)
+        expert_axis = EFSDP_CP if cp > 1 else EFSDP
+        units_ += [(experts, shard // lay.ep, expert_axis, index == moe - 1) for index in range(moe)]
     # FSDP2 computes in bf16 from bf16 parameters; without it, autocast leaves the embedding, the residual stream
     # and the norm outputs in the fp32 of the parameters (only matmul outputs are bf16).
     fsdp = dr * shard > 1
@@ -233,18 +203,18 @@ def step_collectives(
         float8 = (
             lay.options.float8 == "tensorwise"
         )  # the blocks' linear weights gathered in float8 (parallel/float8.py)
-        for index, tensors_ in enumerate(unit_tensors):
+        for index, (tensors_, group, axis, once) in enumerate(units_):
             # The last block and the root (embedding, norm, head) stay gathered from their forward to their backward
-            # (parallel/data.py: apply_fsdp).
-            gathers = 1 if pp > 1 else micro if index >= blocks - 1 else 2 * micro
-            padded = sum(t.padded(shard) for t in tensors_)
-            in_float8 = sum(t.padded(shard) for t in tensors_ if t.rest > 1) if float8 and index < blocks else 0
-            if shard > 1:
+            # (parallel/data.py: apply_fsdp); the last experts' unit too.
+            gathers = 1 if pp > 1 else micro if once else 2 * micro
+            padded = sum(t.padded(group) for t in tensors_)
+            in_float8 = sum(t.padded(group) for t in tensors_ if t.rest > 1) if float8 and index < blocks else 0
+            if group > 1:
                 size = (padded - in_float8) * dt.compute + in_float8
-                add(shard_axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
-                add(shard_axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
+                add(axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
+                add(axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
             if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
-                add("dp_replicate", "all_reduce", padded // shard * dt.reduce, 1, "FSDP2 gradients over replicas")
+                add("dp_replicate", "all_reduce", padded // group * dt.reduce, 1, "FSDP2 gradients over replicas")
             for t in tensors_:
                 if t.partial_grad:
                     add("tp", "all_reduce", t.dim0 * t.rest * partial_bytes, 1, "FSDP2: SP norm gradient")

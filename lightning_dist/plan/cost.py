@@ -17,10 +17,12 @@ from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
-from lightning_dist.parallel_dims import AXES, DP_CP, DP_SHARD_CP
+from lightning_dist.parallel_dims import AXES, DP_CP, DP_SHARD_CP, EFSDP, EFSDP_CP, EP
 from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
+from lightning_dist.plan.experts import expert_collectives, local_params
 from lightning_dist.plan.layout import Layout, layer_params, stage_split
 from lightning_dist.plan.memory import GIB, MemoryEstimate, block_linear_params, block_params, estimate_memory
+from lightning_dist.plan.moe_memory import active_block_params
 from lightning_dist.telemetry.comm import BUS_FACTORS
 
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -43,6 +45,12 @@ HOST_GBPS = 20.0
 #: Host bytes per parameter element of an outer step: the backup copied to the device (4), the average back (4), the
 #: result to the device (4), and the SGD reading backup, gradient, momentum (12) and writing backup, momentum (8).
 HOST_BYTES_PER_ELEMENT = 32
+#: Host bytes per parameter element of AdamW's step on the CPU (cpu_offload): parameter, gradient and both moments
+#: read (16), parameter and moments written (12).
+ADAMW_HOST_BYTES = 28
+#: Host-device copies per rank (GB/s) under cpu_offload: PCIe Gen5 x16 with pinned memory, about half its 64 GB/s
+#: (a stated guess, not a measurement).
+PCIE_GBPS = 25.0
 ASSUMPTIONS = [
     f"compute: the PaLM FLOPs per token (6N + 12 L H Q T) at hardware.compute_efficiency of peak; recomputation "
     f"multiplies it by {RECOMPUTE['selective']} (selective op: element-wise ops; op_half adds the forward of every "
@@ -61,6 +69,9 @@ ASSUMPTIONS = [
     "context parallelism: per block and micro batch an all-gather of the keys and values of the whole sequence in "
     "the forward (again when recomputed) and a reduce-scatter of their gradients, never hidden; attention compute "
     "split evenly over cp (head-tail chunks)",
+    "expert parallelism: per MoE block and micro batch the all-to-alls of the routed rows (and their gradients), "
+    "never hidden, with balanced routing (a rank receives what it sends); experts whole on every tp rank, 1 / ep "
+    "on each ep rank, FSDP2-sharded over the rest of dp_shard x cp",
     "links: tp inside a node; an axis whose groups span nodes runs at hardware.inter_node_gbps, else at "
     "intra_node_gbps (achievable bus bandwidth per device)",
     f"memory bandwidth: {MEMORY_BOUND_SHARE:.1%} of the compute time at {REFERENCE_MEMORY_TBPS} TB/s is memory-bound "
@@ -75,6 +86,9 @@ ASSUMPTIONS = [
     "(twice) and output gradients at hardware.memory_tbps, 5 bytes per element (torchao's amax all-reduces not "
     "counted; torchtitan measures 1.2-1.5x on H100s); tensorwise gathers the converted weights in float8 (1 byte); "
     "activations unchanged (torchao saves high-precision inputs)",
+    f"cpu_offload: states in host memory; each all-gather copies the unit's fp32 shard to the device and each "
+    f"gradient shard comes back at {PCIE_GBPS:g} GB/s, AdamW on the host ({ADAMW_HOST_BYTES} bytes per element at "
+    f"{HOST_GBPS:g} GB/s), never hidden",
     "loss_chunks=n: one piece of 1/n of the tokens holds logits at a time (10 bytes per logit, recomputed in the "
     "backward: one more head matmul per token, 2 V d FLOPs, counted)",
 ]
@@ -141,7 +155,10 @@ def estimate(
         precision: Lightning's precision string (the dtypes of gathers, reductions and activations).
     """
     lay = layout
-    local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.fsdp_shard)
+    if cfg.moe.enabled:  # dense parameters and routed experts are laid out apart
+        local = local_params(cfg, lay)
+    else:
+        local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.fsdp_shard)
     memory = estimate_memory(
         cfg, lay.dims, lay.options, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch
     )
@@ -163,6 +180,7 @@ def estimate(
         gathered = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp * dtypes.compute
         memory = replace(memory, buffers=memory.buffers + int(gathered))
     collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
+    collectives += expert_collectives(cfg, lay, seq_len, precision)  # ep's all-to-alls, never hidden
     comm: dict[str, dict[str, float]] = {}
     links: dict[str, tuple[int, float]] = {}  # axis -> (group size, bus bandwidth), worked out once per axis
     for c in collectives:
@@ -175,7 +193,8 @@ def estimate(
         axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / link / 1e9
     for name, axis in comm.items():
         seconds = axis["seconds"]
-        if name in ("dp_shard", DP_SHARD_CP):  # prefetched: hidden under compute except the first unit's
+        # prefetched: hidden under compute except the first unit's
+        if name in ("dp_shard", DP_SHARD_CP, EFSDP, EFSDP_CP):
             axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
         elif name == "dp_replicate":  # under the backward
             axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
@@ -186,6 +205,8 @@ def estimate(
     bubble = bubble_fraction(lay) if lay.pp > 1 else 0.0
     exposed = sum(c["exposed_s"] for c in comm.values())
     step_s = (compute_s + exposed) / (1 - bubble)
+    if lay.options.cpu_offload:  # the host's part of the step, never hidden (torch's AdamW on the CPU)
+        step_s += offload_seconds(lay, memory.params // 4, blocks)
     if lay.diloco:  # after the inner step, outside its bubble
         step_s += _outer_sync(cfg, lay, hw, comm, step_s)
         memory = replace(memory, outer_sync=_outer_sync_bytes(cfg, lay))
@@ -201,6 +222,15 @@ def estimate(
         mfu=flops_per_token * per_device / (hw.peak_tflops * 1e12),
         fits=memory.fits(hw.memory_gib, hw.context_gib),
     )
+
+
+def offload_seconds(lay: Layout, local: int, blocks: int) -> float:
+    """Seconds a step spends on ``parallelism.cpu_offload``: every all-gather of a unit first copies its fp32 shard
+    to the device, each gradient shard comes back, at :data:`PCIE_GBPS`; AdamW runs on the host,
+    :data:`ADAMW_HOST_BYTES` per element at :data:`HOST_GBPS`. ``local``: the rank's parameter elements."""
+    gathers = 1 if lay.pp > 1 else 2 * lay.microbatches * blocks / (blocks + 1)  # the last unit and root: once
+    copies = local * 4 * (gathers + 1) / (PCIE_GBPS * 1e9)
+    return copies + local * ADAMW_HOST_BYTES / (HOST_GBPS * 1e9)
 
 
 def memory_factor(hw: HardwareConfig) -> float:
@@ -303,6 +333,8 @@ def _group_size(layout: Layout, axis: str) -> int:
     """Ranks in a group of ``axis``: its degree, the world for the default group, 2 for any other (a tied pair)."""
     if axis == DP_SHARD_CP:
         return layout.fsdp_shard
+    if axis in (EP, EFSDP, EFSDP_CP):  # the experts' axes (EFSDP_CP: the ranks holding the same experts)
+        return {EP: layout.ep, EFSDP: layout.dp_shard // layout.ep, EFSDP_CP: layout.fsdp_shard // layout.ep}[axis]
     if axis == DP_CP:
         return layout.dims.dp_cp_size
     return layout.dims.degrees.get(axis, layout.world if axis == "world" else 2)
@@ -320,8 +352,10 @@ def _span(layout: Layout, axis: str) -> int:
     """Consecutive ranks a group of ``axis`` spreads over: its degree times those of the axes inside it; the whole
     world for a group that is no mesh axis."""
     degrees = layout.dims.degrees
-    if axis == DP_SHARD_CP:  # dp_shard x cp, adjacent on the mesh
+    if axis in (DP_SHARD_CP, EFSDP, EFSDP_CP):  # dp_shard x cp, adjacent on the mesh (efsdp: dp_shard's outer part)
         return math.prod(degrees[inner] for inner in AXES[AXES.index("dp_shard") :])
+    if axis == EP:  # (pp, dp_replicate, efsdp, cp, ep, tp): an ep group holds neighbouring tp groups
+        return layout.ep * layout.tp
     if axis not in AXES:
         return layout.world
     return math.prod(degrees[inner] for inner in AXES[AXES.index(axis) :])
@@ -333,8 +367,10 @@ def _link(hw: HardwareConfig, span: int) -> float:
 
 
 def flops_per_token_of(cfg: GPTConfig, seq_len: int) -> float:
-    """``GPT.flops_per_token`` from the config alone: 6 x non-embedding parameters + 12 L H Q T."""
-    non_embedding = cfg.n_layers * block_params(cfg) + cfg.d_model + cfg.vocab_size * cfg.d_model  # + norm, head
+    """``GPT.flops_per_token`` from the config alone: 6 x the non-embedding parameters a token passes through (of an
+    MoE block, its ``top_k`` routed experts) + 12 L H Q T."""
+    blocks = sum(active_block_params(cfg, i, block_params(cfg)) for i in range(cfg.n_layers))
+    non_embedding = blocks + cfg.d_model + cfg.vocab_size * cfg.d_model  # + norm, head
     if cfg.arch == "gpt2":
         non_embedding += cfg.d_model  # the final LayerNorm's bias
     return 6 * non_embedding + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

@@ -1,4 +1,5 @@
-"""Expert parallelism's traffic from the model's shapes: the all-to-alls of :mod:`lightning_dist.parallel.expert`.
+"""Expert parallelism from the model's shapes: what a rank holds of an MoE GPT (:func:`local_params`) and the
+all-to-alls of :mod:`lightning_dist.parallel.expert`.
 
 Per MoE block a rank holds, per micro batch, with ``R = micro_batch x (T / cp) x top_k / tp`` routed rows of
 ``d_model`` values (the tokens of its tp part, each once per chosen expert) in the compute dtype:
@@ -19,20 +20,13 @@ from __future__ import annotations
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import EP
-from lightning_dist.plan.collectives import Collective, Dtypes, recomputed_blocks
+from lightning_dist.plan.collectives import recomputed_blocks
 from lightning_dist.plan.layout import Layout, stage_split
+from lightning_dist.plan.memory import block_params
+from lightning_dist.plan.moe_memory import expert_shard, moe_dense_params
+from lightning_dist.plan.tensors import Collective, Dtypes, moe_blocks_of_stage
 
 INT64 = 8
-
-
-def moe_blocks_of_stage(cfg: GPTConfig, layout: Layout, stage: int) -> int:
-    """MoE blocks pipeline rank ``stage`` holds (the first ``moe.dense_layers`` blocks of the model are dense)."""
-    total = layout.pp * layout.options.stages_per_rank
-    if total == 1:
-        return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    split = stage_split(cfg, total)
-    mine = stage_ids(stage, layout.pp, layout.options.stages_per_rank, layout.schedule)
-    return sum(cfg.is_moe_layer(i) for sid in mine for i in split[sid])
 
 
 def expert_collectives(
@@ -55,3 +49,35 @@ def expert_collectives(
         Collective(EP, "all_to_all", size, 2 * forwards, "EP: rows to their experts and back"),
         Collective(EP, "all_to_all", size, 2 * micro * blocks, "EP: the rows' gradients back and forth"),
     ]
+
+
+def local_params(cfg: GPTConfig, layout: Layout) -> int:
+    """Parameters the pipeline rank holding the most holds (:func:`rank_local_params`)."""
+    return max(rank_local_params(cfg, layout))
+
+
+def rank_local_params(cfg: GPTConfig, layout: Layout) -> list[int]:
+    """Parameters each pipeline rank holds, its own shards (:mod:`lightning_dist.plan.moe_memory`):
+    the dense ones over ``tp x dp_shard x cp`` (norms and routers whole on every tp rank), the routed experts
+    ``1 / ep`` each FSDP2-sharded over ``efsdp x cp``; FSDP2's dim-0 padding counted for the routers and experts,
+    whose rows are few (the largest rank's count, the first of a group)."""
+    lay, h = layout, cfg.d_model
+    total = lay.pp * lay.options.stages_per_rank
+    split = stage_split(cfg, total) if total > 1 else [list(range(cfg.n_layers))]
+    shard = lay.fsdp_shard
+    router = -(-cfg.moe.num_experts // shard) * h  # (E, C), dim 0 padded to the FSDP2 group
+    experts = expert_shard(cfg, lay.ep, lay.dp_shard, lay.cp)
+    counts = []
+    for rank in range(lay.pp):
+        ids = stage_ids(rank, lay.pp, lay.options.stages_per_rank, lay.schedule) if total > 1 else [0]
+        layers = [i for sid in ids for i in split[sid]]
+        moe = sum(cfg.is_moe_layer(i) for i in layers)
+        blocks = (len(layers) - moe) * block_params(cfg) + moe * (moe_dense_params(cfg) - cfg.moe.num_experts * h)
+        sharded, whole = blocks - 2 * h * len(layers), 2 * h * len(layers)  # norms: whole on every tp rank
+        if 0 in ids:
+            sharded += cfg.vocab_size * h
+        if total - 1 in ids:
+            sharded += 0 if cfg.tie_embeddings and lay.pp == 1 else cfg.vocab_size * h
+            whole += h
+        counts.append(sharded // (lay.tp * shard) + whole // shard + moe * (router + experts))
+    return counts

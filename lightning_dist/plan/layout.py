@@ -23,6 +23,7 @@ from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel.pipeline import balanced_split
 from lightning_dist.parallel_dims import AXES, DP_AXES, ParallelDims
 from lightning_dist.plan.memory import block_params
+from lightning_dist.plan.moe_memory import expert_params, moe_dense_params
 
 #: The degrees in the plan's JSON: the data-parallel axes, then the others innermost first (dp_replicate, dp_shard,
 #: tp, cp, pp).
@@ -36,7 +37,8 @@ class Layout:
     """One way to run the job: its degrees, its options, and what only the planner varies.
 
     Args:
-        dims: The degrees (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``) over ``dims.world_size`` ranks.
+        dims: The degrees (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``) over ``dims.world_size``
+            ranks.
         options: Pipeline schedule, stages per rank and microbatches (``pp > 1``), activation checkpointing,
             sequence and loss parallelism.
         micro_batch: Samples per forward (under pp, one pipeline microbatch).
@@ -81,9 +83,10 @@ class Layout:
     ) -> Layout:
         """A layout from the planner's numbers: ``microbatches`` are the micro batches per optimizer step (the
         pipeline's under pp, else the ones Lightning accumulates); ``fields`` are the degrees (``dp_replicate``,
-        ``dp_shard``, ``cp``, ``tp``, ``pp``; 1 when not given) and :class:`ParallelOptions` fields."""
-        degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
-        dims = ParallelDims(math.prod(degrees.values()), **degrees)
+        ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``; 1 when not given) and :class:`ParallelOptions` fields."""
+        degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        ep = degrees.pop("ep")
+        dims = ParallelDims(math.prod(degrees.values()), **degrees, ep=ep)
         options = ParallelOptions(microbatches=microbatches if dims.pp > 1 else None, **fields)
         accumulate = 1 if dims.pp > 1 else microbatches
         return cls(dims, options, micro_batch, accumulate, tp_overlap=tp_overlap, ddp=ddp)
@@ -108,6 +111,10 @@ class Layout:
     @property
     def cp(self) -> int:
         return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
 
     @property
     def fsdp_shard(self) -> int:
@@ -165,6 +172,7 @@ class Layout:
         degrees = self.dims.degrees
         return {
             **{axis: degrees[axis] for axis in JSON_DEGREES},
+            "ep": self.dims.ep,
             "micro_batch": self.micro_batch,
             "microbatches": self.microbatches,
             "schedule": self.schedule,
@@ -187,7 +195,8 @@ class Layout:
 
     def describe(self) -> str:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        degrees = f"pp{self.pp} tp{self.tp}{cp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        degrees = f"pp{self.pp} tp{self.tp}{cp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}{ep}"
         pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
         extra = (f" float8={self.options.float8}" if self.options.float8 != "off" else "") + (
             f" loss_chunks={self.options.loss_chunks}" if self.options.loss_chunks else "")  # fmt: skip
@@ -214,10 +223,12 @@ def stage_split(cfg: GPTConfig, num_stages: int) -> list[list[int]]:
 
 
 def layer_params(cfg: GPTConfig, pp: int) -> list[float]:
-    """Parameters per block, the embedding counted on the first and the final norm and head on the last."""
+    """Parameters per block (an MoE block's routed experts included), the embedding counted on the first and the
+    final norm and head on the last."""
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings and pp == 1 else cfg.vocab_size * cfg.d_model
-    costs = [float(block_params(cfg))] * cfg.n_layers
+    moe = float(moe_dense_params(cfg) + expert_params(cfg))  # an MoE block, its experts included
+    costs = [moe if cfg.is_moe_layer(i) else float(block_params(cfg)) for i in range(cfg.n_layers)]
     costs[0] += embedding
     costs[-1] += head + cfg.d_model
     return costs

@@ -49,6 +49,9 @@ each block it runs uncheckpointed (measured with saved-tensor hooks, :mod:`light
 Under ``selective`` the attention's inputs are recomputed (only its output is kept): no extra; the block recomputed
 in the backward holds all of it.
 
+With ``cpu_offload`` FSDP2 keeps the parameter shards, their gradients and the AdamW state in host memory (counted
+as the states, outside the device's total) and copies one unit's fp32 shard to the device for each all-gather.
+
 FSDP2 buffers: two all-gathered bf16 units (the current one and the prefetched next) and one unit's fp32 unsharded
 gradient before its reduce-scatter. A margin (default 10%) covers the allocator's fragmentation; the CUDA context
 (about 1 GiB) is taken off the device's memory.
@@ -61,6 +64,14 @@ from dataclasses import dataclass
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.plan.moe_memory import (
+    expert_params,
+    expert_shard,
+    moe_activation_elements,
+    moe_dense_params,
+    moe_layers,
+    moe_selective_elements,
+)
 
 GIB = 2**30
 ACT_BYTES = 2  # bf16 activations (bf16-mixed)
@@ -81,10 +92,11 @@ class MemoryEstimate:
     buffers: int
     margin: float = 0.10
     outer_sync: int = 0  # DiLoCo's exchange buffers, after the step (activations freed): beside the states only
+    offloaded: bool = False  # cpu_offload: the states live in host memory, not in the device's total
 
     @property
     def total(self) -> int:
-        states = self.params + self.grads + self.optimizer
+        states = 0 if self.offloaded else self.params + self.grads + self.optimizer
         parts = states + self.activations + self.logits + self.buffers
         return int(max(parts, states + self.outer_sync) * (1 + self.margin))
 
@@ -98,9 +110,12 @@ class MemoryEstimate:
         return self.total <= (device_gib - context_gib) * GIB
 
 
-def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str = "op") -> float:
+def block_activation_elements(
+    cfg: GPTConfig, tp: int, mode: str, selective: str = "op", moe: bool = False, ep: int = 1
+) -> float:
     """Activation elements one block keeps per token of its input (see the module docstring), averaged over blocks
-    for ``selective="<n>"`` (every n-th block full, the others none)."""
+    for ``selective="<n>"`` (every n-th block full, the others none). ``moe``: an MoE block, its experts split over
+    ``ep`` (:mod:`lightning_dist.plan.moe_memory` in place of the MLP's terms)."""
     h, f = cfg.d_model, cfg.hidden_dim
     kv = 2 * cfg.kv_heads * cfg.head_dim
     gathered = 2 * h if tp > 1 else 0  # all-gathered matmul inputs, whole on every tp rank
@@ -112,6 +127,10 @@ def block_activation_elements(cfg: GPTConfig, tp: int, mode: str, selective: str
         none = (13 * h + 1.5 * kv + 4 * f + repeated) / tp + gathered
         op = (3 * h + kv + 2 * f) / tp + 2 * h  # + the o / down outputs (whole partial sums under tp)
         op_half = (3 * h + kv / 2 + f) / tp + h  # q, v, gate, down (every other matmul), attention, input
+        if moe:  # the MoE sub-layer's terms in place of the MLP's
+            none += moe_activation_elements(cfg, tp, ep) - 4 * f / tp
+            op += moe_selective_elements(cfg, tp) - 2 * f / tp
+            op_half += moe_selective_elements(cfg, tp, half=True) - f / tp
     if tp == 1:  # the norm outputs are the matmul inputs: counted once
         none -= 2 * h
     full = h / tp
@@ -156,11 +175,16 @@ def estimate_memory(
     blocks = -(-cfg.n_layers // pp)
     in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
     per_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective)
+    moe = moe_layers(cfg, range(blocks))  # the first stage's MoE blocks (the first moe.dense_layers are dense)
+    if moe:
+        moe_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective, True, dims.ep)
+        per_block = ((blocks - moe) * per_block + moe * moe_block) / blocks
     activations = in_flight * tokens * (blocks * per_block + cfg.d_model / tp) * ACT_BYTES
     extra = cp_block_extra(cfg, tp, cp, seq_len, micro_batch)
     activations += in_flight * _uncheckpointed(blocks, activation_checkpointing, ac_selective) * extra
     if activation_checkpointing != "none":  # one block recomputed whole during backward
-        activations += tokens * block_activation_elements(cfg, tp, "none") * ACT_BYTES + extra
+        whole = block_activation_elements(cfg, tp, "none", moe=moe > 0, ep=dims.ep)  # the larger block, if MoE
+        activations += tokens * whole * ACT_BYTES + extra
     if cp > 1:
         activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
     chunk = -(-tokens // max(1, options.loss_chunks))  # the tokens whose logits are alive at once
@@ -171,9 +195,14 @@ def estimate_memory(
         # unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible).
         root = 2 * cfg.vocab_size * cfg.d_model / tp
         linears = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
-        gathered = max((block_params(cfg) - linears) / tp * 2 + linears / tp, root * 2)
-        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(block_params(cfg) / tp, root)
+        unit = block_params(cfg) / tp
+        if moe:  # an MoE block and its experts (whole on every tp rank; E / ep of them): the largest unit
+            unit = max(unit, moe_dense_params(cfg) / tp + expert_params(cfg) / dims.ep)
+        gathered = max((unit - linears / tp) * 2 + linears / tp, root * 2)
+        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(unit, root)
         buffers = int(2 * gathered + unsharded_grad)
+        if options.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
+            buffers += int(4 * max(unit, root) / (dp_shard * cp))
     trainable = local_params
     if cfg.lora.enabled:  # LoRA: gradients and AdamW moments for the adapters only; the base is held frozen
         trainable = int(blocks * lora_block_params(cfg, tp) / (dp_shard * cp))
@@ -186,6 +215,7 @@ def estimate_memory(
         logits=logits,
         buffers=buffers,
         margin=margin,
+        offloaded=options.cpu_offload,
     )
 
 
@@ -214,14 +244,20 @@ def _uncheckpointed(blocks: int, mode: str, selective: str) -> int:
     return blocks - -(-blocks // int(selective))
 
 
-def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1) -> int:
-    """Parameters one rank of a whole-model layout holds: every tensor sharded over ``tp x dp_shard`` (FSDP2 pads
-    dim 0 to a multiple of ``dp_shard``; the GPT's shapes divide evenly), except the norm weights, which tensor
-    parallelism replicates. Pipeline stages: trace them instead."""
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model
-    embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.d_model
-    sharded = cfg.n_layers * block_params(cfg) - 2 * cfg.n_layers * cfg.d_model + embeddings
-    return sharded // (tp * dp_shard) + norms // dp_shard
+def count_local_params(cfg: GPTConfig, tp: int = 1, dp_shard: int = 1, ep: int = 1) -> int:
+    """Parameters one rank of a whole-model layout holds: every tensor sharded over ``tp x dp_shard`` (FSDP2's group:
+    ``dp_shard x cp``; it pads dim 0 to a multiple of ``dp_shard``; the GPT's shapes divide evenly), except the norm
+    weights, which tensor parallelism replicates. An MoE GPT's routers are whole on every tp rank and its routed
+    experts split over ``ep`` (:mod:`lightning_dist.plan.moe_memory`; the count is the rank holding the most).
+    Pipeline stages: :func:`lightning_dist.plan.experts.local_params` or a trace."""
+    h, moe = cfg.d_model, moe_layers(cfg)
+    norms = (2 * cfg.n_layers + 1) * h
+    embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * h
+    blocks = (cfg.n_layers - moe) * block_params(cfg) + moe * (moe_dense_params(cfg) - cfg.moe.num_experts * h)
+    sharded = blocks - 2 * cfg.n_layers * h + embeddings
+    router = -(-cfg.moe.num_experts // dp_shard) * h  # (E, C), dim 0 padded to dp_shard
+    experts = expert_shard(cfg, ep, dp_shard, 1)
+    return sharded // (tp * dp_shard) + norms // dp_shard + moe * (router + experts)
 
 
 def lora_block_params(cfg: GPTConfig, tp: int = 1) -> int:

@@ -48,7 +48,10 @@ def layouts(
     - with replicas, each sync of ``plan.syncs``: every step, or DiLoCo with the run's H, F and tau (``diloco``:
       ``ParallelOptions``' ``diloco_*`` fields) and each of ``plan.diloco_compressions``. H is not searched: it
       trades quality for speed, and larger always looks faster to a throughput model;
-    - ``fixed``: ParallelOptions fields every layout takes as the run sets them (``float8``, ``loss_chunks``).
+    - with MoE blocks, ep dividing both ``dp_shard`` and the experts (1 included: the experts FSDP2-sharded as the
+      rest);
+    - ``fixed``: ParallelOptions fields every layout takes as the run sets them (``float8``, ``loss_chunks``,
+      ``cpu_offload``: then only layouts with FSDP2 shards).
     """
     syncs = _syncs(plan, diloco)
     for pp in _divisors(world):
@@ -64,8 +67,16 @@ def layouts(
                 inner = tp * cp  # ranks inside one data-parallel index: HSDP shards over the rest of a node
                 per_node = gpus_per_node // inner if pp * inner <= gpus_per_node else 1
                 for replicate, shard in _data_parallel(dp, per_node):
-                    yield from _with_options(cfg, ParallelDims(world, replicate, shard, tp, pp, cp),
-                                             global_batch // dp, plan, syncs, diloco, fixed or {})  # fmt: skip
+                    for ep in _expert_degrees(cfg, shard):
+                        yield from _with_options(cfg, ParallelDims(world, replicate, shard, tp, pp, cp, ep),
+                                                 global_batch // dp, plan, syncs, diloco, fixed or {})  # fmt: skip
+
+
+def _expert_degrees(cfg: GPTConfig, dp_shard: int) -> list[int]:
+    """ep degrees searched: with MoE blocks, each dividing both the experts and ``dp_shard`` (1 included)."""
+    if not cfg.moe.enabled:
+        return [1]
+    return [ep for ep in _divisors(dp_shard) if cfg.moe.num_experts % ep == 0]
 
 
 def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, enabled: bool) -> list[int]:
@@ -79,6 +90,8 @@ def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanC
                   diloco: Mapping[str, Any] | None, fixed: Mapping[str, Any]) -> Iterator[Layout]:  # fmt: skip
     """Every micro batch, schedule, activation checkpointing and sync of one set of degrees."""
     pp, replicate = dims.pp, dims.dp_replicate
+    if fixed.get("cpu_offload") and not dims.dp_cp_enabled:  # nothing sharded to offload
+        return
     for micro in plan.micro_batches:
         if per_rank % micro:
             continue
@@ -86,7 +99,8 @@ def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanC
         microbatches, accumulate = (steps, 1) if pp > 1 else (None, steps)
         for schedule, v in _schedules(cfg, pp, steps):
             for ac, selective in AC_MODES:
-                for sync in syncs if replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) else [{}]:
+                diloco_ok = replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) and dims.ep == 1
+                for sync in syncs if diloco_ok else [{}]:  # DiLoCo over expert-parallel replicas: not written
                     options = ParallelOptions(
                         schedule=schedule,
                         microbatches=microbatches,

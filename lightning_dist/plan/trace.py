@@ -53,14 +53,18 @@ class RankTrace:
     peak_bytes: int = 0  # the step's peak of live tensors (torch's MemTracker), when traced with memory=True
 
 
-def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = False) -> RankTrace:
+def trace_rank(
+    cfg: TrainConfig, rank: int, step: bool = False, memory: bool = False, states: bool = False
+) -> RankTrace:
     """Parallelize ``cfg``'s model as rank ``rank`` of its full world size would, without allocating it.
 
     The layout comes from ``cfg`` exactly as for training (``cluster.devices x cluster.num_nodes`` ranks); the data
     is not read, so a recipe naming files that are not on this machine traces too. ``step``: also run one
     optimizer step on fake tensors and count its collectives, gradients and optimizer state. ``memory``: also
     follow every tensor the step creates with torch's ``MemTracker`` and report the peak of what is alive (slower:
-    minutes for an 8B model).
+    minutes for an 8B model). ``states``: without a step, build the gradients (zeros) and AdamW's state on fake
+    tensors and count them: a layout whose step cannot run on fake tensors (expert parallelism reads its split sizes
+    back to the host) or a pipeline rank.
     """
     dims = build_parallel_dims(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size
@@ -85,6 +89,8 @@ def trace_rank(cfg: TrainConfig, rank: int, step: bool = False, memory: bool = F
         pipeline = strategy.pipeline
         params = {id(p): p for p in module.parameters()}.values()
         extra = _fake_step(cfg, strategy, module, mesh, per_rank, memory) if step else {}
+        if states and not step:
+            extra = _fake_states(module)
         return RankTrace(
             rank=rank,
             coordinates=dims.coordinates(rank),
@@ -142,6 +148,20 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         totals["calls"] += stats.count
     return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives,
             "peak_bytes": peak}  # fmt: skip
+
+
+def _fake_states(module: Any) -> dict[str, int]:
+    """The bytes of the gradients and AdamW's state this rank would hold: both built on fake tensors from the
+    parameters' own shards (zero gradients, one AdamW step), no forward."""
+    with _compat.fake_tensor_mode(allow_non_fake_inputs=True):
+        module.to_empty(device="cpu")
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()
+        states = model_state_bytes(module, [optimizer])
+    return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"]}
 
 
 def _memory_tracker(module: Any, optimizer: Any, batch: tuple[Any, ...]) -> Any:

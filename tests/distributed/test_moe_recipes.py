@@ -1,0 +1,83 @@
+"""The expert-parallel recipes (Mixtral-8x7B and a DeepSeek-V2-Lite-class GPT on 8 and 64 GPUs) can start: ranks of
+their real world size, built at full size on the meta device and laid out on torch's fake process-group backend
+through the strategy's own parallelize path (expert parallelism, FSDP2 of the dense parts and of the experts, TP and
+the pipeline split of the 64-GPU Mixtral), hold exactly the parameters the planner counts, and the gradients and
+AdamW state built on fake tensors from their shards are the planner's bytes; the planner's per-rank peak is the
+number each recipe states and fits an 80 GB H100.
+
+The ranks are not stepped: the dropless all-to-all reads its split sizes back to the host, which fake tensors cannot
+give (the ep all-to-all bytes are checked against the telemetry of real CPU runs in test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import compose_config
+
+from lightning_dist.run.launch import launch
+
+H100_GIB = 79.6  # 81559 MiB as nvidia-smi reports it
+#: recipe -> (the planner's per-rank peak its header states in GiB, its tokens/s per GPU)
+RECIPES = {
+    "mixtral_8x7b_ep_8gpu": (68.8, 2843),
+    "mixtral_8x7b_ep_64gpu": (72.5, 5822),
+    "deepseek_v2_lite_ep_8gpu": (71.9, 26362),
+    "deepseek_v2_lite_ep_64gpu": (71.9, 26362),
+}
+
+
+def _ranks(recipe: str) -> tuple[int, ...]:
+    """Rank 0, and the last rank where a pipeline puts other blocks there."""
+    from lightning_dist.config.validate import build_parallel_dims
+
+    dims = build_parallel_dims(compose_config([f"recipe={recipe}"]))
+    return (0, dims.world_size - 1) if dims.pp > 1 else (0,)
+
+
+def _trace_all(recipes: list[str]) -> dict[tuple[str, int], tuple[int, int, int, int]]:
+    """Every recipe's ranks traced one after the other in this one process."""
+    from lightning_dist.plan.trace import trace_rank
+
+    found = {}
+    for recipe in recipes:
+        cfg = compose_config([f"recipe={recipe}"])
+        for rank in _ranks(recipe):
+            trace = trace_rank(cfg, rank, states=True)
+            found[recipe, rank] = (trace.local_params, trace.param_bytes, trace.grad_bytes, trace.optimizer_bytes)
+    return found
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[tuple[str, int], tuple[int, int, int, int]]:
+    return launch(_trace_all, 1, list(RECIPES))[0]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_moe_recipe_ranks_hold_the_planned_states_and_fit_an_h100(recipe: str, traced) -> None:
+    from lightning_dist.config.validate import build_parallel_dims
+    from lightning_dist.plan.cost import estimate
+    from lightning_dist.plan.estimate_run import layout_of
+    from lightning_dist.plan.experts import rank_local_params
+    from lightning_dist.plan.memory import GIB
+
+    cfg = compose_config([f"recipe={recipe}"])
+    dims = build_parallel_dims(cfg)
+    assert dims.ep > 1 and cfg.model.moe.enabled
+    layout = layout_of(cfg, dims)
+    planned = rank_local_params(cfg.model, layout)  # per pipeline rank
+    found = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size)
+    for rank in _ranks(recipe):
+        local, param_bytes, grad_bytes, optimizer_bytes = traced[recipe, rank]
+        expected = planned[dims.coordinates(rank)["pp"]]
+        assert local == expected, (rank, local, expected)
+        assert param_bytes == 4 * expected  # fp32 master weights
+        assert grad_bytes == 4 * expected  # fp32 gradients of every parameter
+        assert optimizer_bytes == pytest.approx(8 * expected, rel=1e-4)  # AdamW's two moments (+ its step counts)
+    assert found.memory.params == 4 * max(planned) and found.memory.grads == 4 * max(planned)
+    stated_gib, stated_tokens = RECIPES[recipe]
+    assert round(found.memory.total / GIB, 1) == stated_gib  # the numbers the recipe states
+    assert round(found.tokens_per_sec_per_device) == stated_tokens
+    assert found.memory.fits(H100_GIB), found.memory.gib()
+    if cfg.parallelism.cpu_offload:  # the states are on the host: on the device they would not fit
+        assert found.memory.offloaded
+        states = found.memory.params + found.memory.grads + found.memory.optimizer
+        assert (found.memory.total / (1 + found.memory.margin) + states) / GIB > H100_GIB
