@@ -185,7 +185,7 @@ class ExpertDispatch:
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,): rows this rank sends to each expert
         received = torch.empty_like(counts)  # (E,) as (ep, local): rows each rank sends to each of my experts
         dist.all_to_all_single(received, counts, group=group)
-        send, recv = torch.stack([counts.view(ep, local).sum(1), received.view(ep, local).sum(1)]).tolist()
+        send, recv = self.split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), flat.numel())
         rows = AllToAll.apply(x[token], recv, send, group)  # (R', C): the rows routed to my experts
         # Each source rank's rows arrive sorted by expert: the local expert of each received row.
         expert = torch.arange(local, device=flat.device).repeat(ep)  # (ep * local,)
@@ -195,6 +195,14 @@ class ExpertDispatch:
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)  # (R, 1)
         back = (back.float() * weights.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, back)  # (N, C)
+
+    @staticmethod
+    def split_sizes(send: Tensor, recv: Tensor, rows: int) -> tuple[list[int], list[int]]:
+        """The rows this rank sends to and receives from each ep rank (``(ep,)`` each; ``rows``: what it sends in
+        all), read back to the host: the dispatch's one read. The planner's trace, on fake tensors that hold no
+        values, replaces it with a balanced routing's (``plan/trace.py``)."""
+        send_sizes, recv_sizes = torch.stack([send, recv]).tolist()
+        return send_sizes, recv_sizes
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -46,7 +46,7 @@ from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import exchange_sizes
 from lightning_dist.parallel.diloco import build_fragments
 from lightning_dist.parallel.pipeline import stage_ids
-from lightning_dist.parallel_dims import DP, DP_CP, DP_SHARD_CP, EFSDP, EFSDP_CP, REPORTED_AXIS
+from lightning_dist.parallel_dims import DP, DP_CP, DP_SHARD_CP, EFSDP, EFSDP_CP, EP, REPORTED_AXIS
 from lightning_dist.plan.layout import Layout, stage_blocks
 from lightning_dist.plan.tensors import (
     Collective,
@@ -261,10 +261,14 @@ def step_collectives(
             logits = lay.micro_batch * local_seq * cfg.vocab_size * dt.compute
             add("tp", "all_gather", logits, micro * lasts, "TP: the head's logits gathered")
 
-    n_grads = len(all_tensors)
+    # Under ep the experts' gradients live on their own mesh: their norms are reduced apart (parallel/clip.py), over
+    # the flattened dp_shard (efsdp x ep), or ep alone where no other rank holds the same experts.
+    n_experts = len(experts) * moe if lay.ep > 1 else 0
+    n_grads = len(all_tensors) - n_experts
     if dr * shard > 1 or tp > 1:
         if shard > 1:
             add(shard_axis, "all_reduce", 4 * n_grads, 1, "gradient norm")
+            add(shard_axis if shard > lay.ep else EP, "all_reduce", 4 * n_experts, 1, "gradient norm of the experts")
         if tp > 1:
             add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
 

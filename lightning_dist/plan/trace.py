@@ -30,6 +30,7 @@ from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.validate import build_parallel_dims, options_of, split_batch
 from lightning_dist.parallel.clip import clip_grad_norm_
 from lightning_dist.parallel.context import shard_batch
+from lightning_dist.parallel.expert import ExpertDispatch
 from lightning_dist.parallel.tensor import reduce_partial_grads
 from lightning_dist.parallel_dims import REPORTED_AXIS
 from lightning_dist.strategies import build_strategy
@@ -115,7 +116,7 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
     micro = cfg.data.micro_batch_size or per_rank
     seq = cfg.data.seq_len
     tracker = CommTracker(axis_groups_from_mesh(mesh), timing=False)
-    with _compat.fake_tensor_mode(allow_non_fake_inputs=True):
+    with _compat.fake_tensor_mode(allow_non_fake_inputs=True), _balanced_dispatch():
         module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
         vocab = module.hf_model_config.vocab_size if hasattr(module, "hf_model_config") else cfg.model.vocab_size
@@ -148,6 +149,23 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         totals["calls"] += stats.count
     return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives,
             "peak_bytes": peak}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _balanced_dispatch() -> Any:
+    """Expert parallelism's split sizes as a balanced routing gives them (each ep rank sends every other the same
+    rows, ``R / ep``, and receives as many): fake tensors hold no counts to read back to the host."""
+    original = ExpertDispatch.split_sizes
+
+    def balanced(send: torch.Tensor, recv: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
+        ep = send.numel()
+        return [rows // ep] * ep, [rows // ep] * ep
+
+    ExpertDispatch.split_sizes = staticmethod(balanced)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ExpertDispatch.split_sizes = staticmethod(original)  # type: ignore[method-assign]
 
 
 def _fake_states(module: Any) -> dict[str, int]:

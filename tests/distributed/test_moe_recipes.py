@@ -5,8 +5,11 @@ the pipeline split of the 64-GPU Mixtral), hold exactly the parameters the plann
 AdamW state built on fake tensors from their shards are the planner's bytes; the planner's per-rank peak is the
 number each recipe states and fits an 80 GB H100.
 
-The ranks are not stepped: the dropless all-to-all reads its split sizes back to the host, which fake tensors cannot
-give (the ep all-to-all bytes are checked against the telemetry of real CPU runs in test_expert_parallel.py)."""
+Rank 0 of the 8-GPU DeepSeek recipe also steps once on fake tensors at full size (one micro batch of 4096 tokens):
+its all-to-alls on ep and FSDP2's traffic (dense units over dp_shard, the experts' over efsdp) are the planner's, byte
+for byte and call for call. The dropless dispatch reads its split sizes back to the host, which fake tensors cannot
+give: the trace supplies a balanced routing's (``plan/trace.py``), which is what the planner counts (the ep
+all-to-all bytes of real, unbalanced CPU runs are checked against it in test_expert_parallel.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +36,12 @@ def _ranks(recipe: str) -> tuple[int, ...]:
     return (0, dims.world_size - 1) if dims.pp > 1 else (0,)
 
 
-def _trace_all(recipes: list[str]) -> dict[tuple[str, int], tuple[int, int, int, int]]:
-    """Every recipe's ranks traced one after the other in this one process."""
+#: The stepped rank: rank 0 of the 8-GPU DeepSeek recipe, one micro batch per step.
+STEPPED = ["recipe=deepseek_v2_lite_ep_8gpu", "data.global_batch_size=8"]
+
+
+def _trace_all(recipes: list[str]) -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict]:
+    """Every recipe's ranks traced one after the other in this one process, then the stepped one."""
     from lightning_dist.plan.trace import trace_rank
 
     found = {}
@@ -43,11 +50,11 @@ def _trace_all(recipes: list[str]) -> dict[tuple[str, int], tuple[int, int, int,
         for rank in _ranks(recipe):
             trace = trace_rank(cfg, rank, states=True)
             found[recipe, rank] = (trace.local_params, trace.param_bytes, trace.grad_bytes, trace.optimizer_bytes)
-    return found
+    return found, trace_rank(compose_config(STEPPED), 0, step=True).collectives
 
 
 @pytest.fixture(scope="module")
-def traced() -> dict[tuple[str, int], tuple[int, int, int, int]]:
+def traced() -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict]:
     return launch(_trace_all, 1, list(RECIPES))[0]
 
 
@@ -66,7 +73,7 @@ def test_moe_recipe_ranks_hold_the_planned_states_and_fit_an_h100(recipe: str, t
     planned = rank_local_params(cfg.model, layout)  # per pipeline rank
     found = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size)
     for rank in _ranks(recipe):
-        local, param_bytes, grad_bytes, optimizer_bytes = traced[recipe, rank]
+        local, param_bytes, grad_bytes, optimizer_bytes = traced[0][recipe, rank]
         expected = planned[dims.coordinates(rank)["pp"]]
         assert local == expected, (rank, local, expected)
         assert param_bytes == 4 * expected  # fp32 master weights
@@ -81,3 +88,19 @@ def test_moe_recipe_ranks_hold_the_planned_states_and_fit_an_h100(recipe: str, t
         assert found.memory.offloaded
         states = found.memory.params + found.memory.grads + found.memory.optimizer
         assert (found.memory.total / (1 + found.memory.margin) + states) / GIB > H100_GIB
+
+
+def test_a_full_size_ep_rank_issues_the_planned_collectives(traced) -> None:
+    from lightning_dist.config.validate import build_parallel_dims
+    from lightning_dist.plan.collectives import per_axis, step_collectives
+    from lightning_dist.plan.estimate_run import layout_of
+    from lightning_dist.plan.experts import expert_collectives
+
+    cfg = compose_config(STEPPED)
+    layout = layout_of(cfg, build_parallel_dims(cfg))
+    seq, precision = cfg.data.seq_len, cfg.cluster.precision
+    planned = step_collectives(cfg.model, layout, seq, precision, stage=0, loop=False)
+    planned += expert_collectives(cfg.model, layout, seq, precision, stage=0)
+    assert traced[1] == per_axis(planned)
+    rows = 4096 * 6 * 2048 * 2  # a micro batch's routed rows: 4096 tokens x top-6, bf16 rows of d_model
+    assert per_axis(planned)["ep"]["bytes"] == 26 * (4 * rows + 64 * 8)  # 26 MoE blocks: rows there and back, twice
