@@ -29,7 +29,8 @@ BUILTIN_DATA = [data for data in GROUPS["data"] if data not in NOT_BUILTIN]
 
 
 def test_every_group_has_options() -> None:
-    assert GPT_MODELS == ["gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b", "moe_tiny"]
+    assert GPT_MODELS == ["deepseek_v2_lite", "gpt2_124m", "gpt_tiny", "llama_1b", "llama_70b", "llama_8b",
+                          "mixtral_8x7b", "moe_tiny"]  # fmt: skip
     assert set(GROUPS["model"]) - set(GPT_MODELS) == {"custom", "hf"}
     assert {"ddp", "fsdp", "tp", "tp_fsdp"} <= set(GROUPS["parallelism"])
     assert BUILTIN_DATA == ["synthetic", "text", "tokens"]

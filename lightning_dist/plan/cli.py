@@ -31,6 +31,7 @@ from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, stage_params
 from lightning_dist.plan.cost_curve import Row, cost_curve, diloco_fields, duration, short
+from lightning_dist.plan.experts import expert_collectives
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
 from lightning_dist.plan.savings import option_effects
@@ -115,14 +116,14 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
     shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
     table = Table(title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
                   f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step")  # fmt: skip
-    for column in ("#", "pp", "tp", "cp", "dp rep x shard", "schedule", "m", "mb", "AC", "sync", "GiB", "tok/s/dev",
-                   "MFU", "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
+    for column in ("#", "pp", "tp", "cp", "dp rep x shard", "ep", "schedule", "m", "mb", "AC", "sync", "GiB",
+                   "tok/s/dev", "MFU", "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
         table.add_column(column, justify="right" if column not in ("schedule", "AC", "sync") else "left")
     for i, e in enumerate(shown, 1):
         lay = e.layout
         comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
         table.add_row(
-            str(i), str(lay.pp), str(lay.tp), str(lay.cp), f"{lay.dp_replicate} x {lay.dp_shard}",
+            str(i), str(lay.pp), str(lay.tp), str(lay.cp), f"{lay.dp_replicate} x {lay.dp_shard}", str(lay.ep),
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
             str(lay.micro_batch), lay.ac if lay.ac != "selective" else lay.ac_selective,
             lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step", f"{e.memory.total / GIB:.1f}",
@@ -180,8 +181,8 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
     # The planner's replicas are the mesh strategy's (FSDP2 on a (dp_replicate, dp_shard=1) mesh), not Lightning's DDP.
     strategy = "pipeline_parallel" if lay.pp > 1 else ("tensor_parallel" if lay.tp > 1 else "fsdp")
     par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
-                  tp=lay.tp, pp=lay.pp, cp=lay.cp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
-                  microbatches=lay.microbatches if lay.pp > 1 else None,
+                  tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule,
+                  stages_per_rank=lay.stages_per_rank, microbatches=lay.microbatches if lay.pp > 1 else None,
                   activation_checkpointing=lay.ac, ac_selective=lay.ac_selective)  # fmt: skip
     per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
     cluster = replace(cfg.cluster, devices=per_node, accelerator="cpu", precision="bf16-mixed")
@@ -205,7 +206,9 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
         parts.append(("peak bytes (MemTracker)", traced.peak_bytes, int(memory.total / (1 + memory.margin))))
     for name, got, want in parts:
         print(f"  {name} {got:,}, analytic {want:,} ({(got - want) / want:+.2%})")
-    planned = per_axis(step_collectives(cfg.model, lay, cfg.data.seq_len, "bf16-mixed", stage=0, loop=False))
+    seq = cfg.data.seq_len
+    planned = per_axis(step_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0, loop=False)
+                       + expert_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0))  # fmt: skip
     for axis in sorted(set(planned) | set(traced.collectives)):
         got, want = traced.collectives.get(axis, {}), planned.get(axis, {})
         print(f"  comm/{axis}: traced {got.get('bytes', 0):,} bytes in {got.get('calls', 0)} calls, "

@@ -268,7 +268,8 @@ def step_collectives(
     if dr * shard > 1 or tp > 1:
         if shard > 1:
             add(shard_axis, "all_reduce", 4 * n_grads, 1, "gradient norm")
-            add(shard_axis if shard > lay.ep else EP, "all_reduce", 4 * n_experts, 1, "gradient norm of the experts")
+            experts_axis = shard_axis if shard > lay.ep else EP
+            add(experts_axis, "all_reduce", 4 * n_experts, 1 if n_experts else 0, "gradient norm of the experts")
         if tp > 1:
             add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
 

@@ -301,7 +301,7 @@ def precision_factor(cfg: GPTConfig, layout: Layout, hw: HardwareConfig, seq_len
                 f"parallelism.float8={layout.options.float8} on {hw.name}, which has no float8 matmuls (torchao would "
                 "emulate them, slower than bf16); set parallelism.float8=off or pick a float8 GPU (hardware=h100_sxm)."
             )
-        linear = 6 * cfg.n_layers * block_linear_params(cfg)
+        linear = 6 * _float8_linears(cfg)
         factor -= linear / flops * (1 - hw.peak_tflops / float8_tflops)
     if layout.options.loss_chunks:
         factor += 2 * cfg.vocab_size * cfg.d_model / flops
@@ -314,10 +314,27 @@ def float8_cast_bytes(cfg: GPTConfig, layout: Layout) -> float:
     its output gradient; memory-bound kernels, at ``hw.memory_tbps``. 0 without float8."""
     if layout.options.float8 == "off":
         return 0.0
-    h, f, hd, kv = cfg.d_model, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, 2 * cfg.kv_heads * cfg.head_dim
-    inputs = 5 * h + hd + f  # q, k, v, gate, up read the block's normed stream; o the attention; down the MLP
-    grads = hd + kv + 2 * h + 2 * f  # the output gradients of q, k + v, o and down, gate and up
-    return FLOAT8_CAST_BYTES * cfg.n_layers * (2 * inputs + grads)
+    h, hd, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, 2 * cfg.kv_heads * cfg.head_dim
+    total = 0
+    for f in (_float8_width(cfg, i) for i in range(cfg.n_layers)):
+        mlp = 2 if f else 0  # gate and up (none in an MoE block without shared experts)
+        inputs = (
+            (3 + mlp) * h + hd + f
+        )  # q, k, v, gate, up read the block's normed stream; o the attention; down the MLP
+        grads = hd + kv + h + (h + 2 * f if f else 0)  # the output gradients of q, k + v, o and down, gate and up
+        total += 2 * inputs + grads
+    return FLOAT8_CAST_BYTES * total
+
+
+def _float8_width(cfg: GPTConfig, index: int) -> int:
+    """The hidden width of block ``index``'s float8 MLP: the dense MLP's, or in an MoE block the shared experts'
+    (the routed experts are grouped weights, not ``nn.Linear``: float8 leaves them in bf16)."""
+    return cfg.moe.shared_experts * cfg.expert_hidden if cfg.is_moe_layer(index) else cfg.hidden_dim
+
+
+def _float8_linears(cfg: GPTConfig) -> int:
+    """Weights float8 converts, over all blocks (:func:`_float8_width`)."""
+    return sum(block_linear_params(replace(cfg, ffn_hidden=_float8_width(cfg, i))) for i in range(cfg.n_layers))
 
 
 def bubble_fraction(layout: Layout) -> float:

@@ -130,6 +130,7 @@ def short(point: Point | None) -> str:
     parts = [f"pp{lay.pp}"] if lay.pp > 1 else []
     parts += [f"tp{lay.tp}"] if lay.tp > 1 else []
     parts.append(f"dp{lay.dp_replicate}x{lay.dp_shard}")
+    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
     parts.append(lay.ac if lay.ac != "selective" else lay.ac_selective)
     if lay.diloco:
         o = lay.options
