@@ -19,7 +19,7 @@ from lightning_dist.parallel.compression import payload_bytes
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import AXES, DP_CP, DP_SHARD_CP, EFSDP, EFSDP_CP, EP
 from lightning_dist.plan.collectives import Dtypes, fragment_elements, outer_collectives, step_collectives
-from lightning_dist.plan.experts import expert_collectives, local_params
+from lightning_dist.plan.experts import expert_collectives, gathered_stage_params, local_params
 from lightning_dist.plan.layout import Layout, layer_params, stage_split
 from lightning_dist.plan.memory import GIB, MemoryEstimate, block_linear_params, block_params, estimate_memory
 from lightning_dist.plan.moe_memory import active_block_params
@@ -177,7 +177,8 @@ def estimate(
     dtypes = Dtypes.of(precision)
     blocks = math.ceil(cfg.n_layers / lay.pp)
     if lay.dp_shard > 1 and lay.pp > 1:  # stages keep their gathered parameters for the whole schedule
-        gathered = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp * dtypes.compute
+        whole = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp  # MoE: experts 1 / ep, whole
+        gathered = (gathered_stage_params(cfg, lay) if cfg.moe.enabled else whole) * dtypes.compute
         memory = replace(memory, buffers=memory.buffers + int(gathered))
     collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
     collectives += expert_collectives(cfg, lay, seq_len, precision)  # ep's all-to-alls, never hidden

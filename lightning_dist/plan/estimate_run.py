@@ -12,6 +12,7 @@ from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import REPORTED_AXES, ParallelDims
 from lightning_dist.plan.collectives import outer_collectives, per_axis, step_collectives
 from lightning_dist.plan.cost import estimate
+from lightning_dist.plan.experts import expert_collectives
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
 
@@ -45,6 +46,7 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
         if not (dims.pp == 1 and cfg.parallelism.stages_per_rank > 1):
             planned = step_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0,
                                        ddp=layout.ddp)  # fmt: skip
+            planned += expert_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0)
             rank0 = per_axis(planned)
     except ValueError:
         return None

@@ -21,9 +21,9 @@ from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.pipeline import stage_ids
 from lightning_dist.parallel_dims import EP
 from lightning_dist.plan.collectives import recomputed_blocks
-from lightning_dist.plan.layout import Layout, stage_split
+from lightning_dist.plan.layout import Layout, layer_params, stage_split
 from lightning_dist.plan.memory import block_params
-from lightning_dist.plan.moe_memory import expert_shard, moe_dense_params
+from lightning_dist.plan.moe_memory import expert_params, expert_shard, moe_dense_params
 from lightning_dist.plan.tensors import Collective, Dtypes, moe_blocks_of_stage
 
 INT64 = 8
@@ -54,6 +54,21 @@ def expert_collectives(
 def local_params(cfg: GPTConfig, layout: Layout) -> int:
     """Parameters the pipeline rank holding the most holds (:func:`rank_local_params`)."""
     return max(rank_local_params(cfg, layout))
+
+
+def gathered_stage_params(cfg: GPTConfig, layout: Layout) -> int:
+    """Parameters a pipeline rank holds gathered (FSDP2 keeps a stage's units unsharded for the whole schedule), the
+    rank holding the most: its dense ones over ``tp``, its MoE blocks' ``E / ep`` experts whole."""
+    lay = layout
+    total = lay.pp * lay.options.stages_per_rank
+    split = stage_split(cfg, total)
+    counts = []
+    for rank in range(lay.pp):
+        layers = [i for sid in stage_ids(rank, lay.pp, lay.options.stages_per_rank, lay.schedule) for i in split[sid]]
+        moe = sum(cfg.is_moe_layer(i) for i in layers)
+        dense = sum(layer_params(cfg, lay.pp)[i] for i in layers) - moe * expert_params(cfg)  # embedding, head too
+        counts.append(int(dense / lay.tp + moe * expert_params(cfg) / lay.ep))
+    return max(counts)
 
 
 def rank_local_params(cfg: GPTConfig, layout: Layout) -> list[int]:
