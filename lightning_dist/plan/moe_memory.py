@@ -27,9 +27,9 @@ grouped_mm and loop alike, ``C`` 256, ``F`` 512 / 1024, ``E`` 8 / 16, ``K`` 2 / 
 - the shared experts as a dense MLP of ``shared_experts x F``, ``4 S F / tp``.
 
 Under ``ep > 1`` the dispatch (:class:`~lightning_dist.parallel.expert.ExpertDispatch`) runs the experts' own forward
-on the received rows (``K`` per token on average: a balanced ep group receives what it sends), which keeps its own
-gathered input rows and weighted fp32 copy once more: ``3 C`` more per routed row (an estimate from the code's
-shapes, not measured: the dispatch needs a process group).
+on the received rows (``K`` per token on average: a balanced ep group receives what it sends) and weighs the rows
+that come back: ``C`` more per routed row (its all-to-alls keep nothing), measured with saved-tensor hooks on the
+real dispatch over a one-rank group (``tests/distributed/test_moe_recipes.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from lightning_dist.models.gpt import GPTConfig
 #: bf16 elements kept per routed row beyond its ``4 F``: input row, fp32 weighted output (2), ids (module docstring).
 ROUTED_ROW_EXTRA = 4
 ROUTED_ROW_IDS = 16  # the row's int64 ids (sort order, token, expert: 4 elements each) and its fp32 weight
-#: More per routed row under ep > 1: the experts' own forward on the received rows (its input rows, fp32 copy).
-DISPATCH_ROW_EXTRA = 3
+#: More per routed row under ep > 1, times ``C``: the dispatch's own copy of the rows (module docstring).
+DISPATCH_ROW_EXTRA = 1
 
 
 def expert_params(cfg: GPTConfig) -> int:

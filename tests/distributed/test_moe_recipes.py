@@ -21,10 +21,10 @@ from lightning_dist.run.launch import launch
 H100_GIB = 79.6  # 81559 MiB as nvidia-smi reports it
 #: recipe -> (the planner's per-rank peak its header states in GiB, its tokens/s per GPU)
 RECIPES = {
-    "mixtral_8x7b_ep_8gpu": (68.8, 2843),
-    "mixtral_8x7b_ep_64gpu": (66.7, 5822),
-    "deepseek_v2_lite_ep_8gpu": (71.9, 26362),
-    "deepseek_v2_lite_ep_64gpu": (71.9, 26362),
+    "mixtral_8x7b_ep_8gpu": (68.3, 2843),
+    "mixtral_8x7b_ep_64gpu": (64.5, 5822),
+    "deepseek_v2_lite_ep_8gpu": (66.5, 26362),
+    "deepseek_v2_lite_ep_64gpu": (66.5, 26362),
 }
 
 
@@ -40,8 +40,9 @@ def _ranks(recipe: str) -> tuple[int, ...]:
 STEPPED = ["recipe=deepseek_v2_lite_ep_8gpu", "data.global_batch_size=8"]
 
 
-def _trace_all(recipes: list[str]) -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict]:
-    """Every recipe's ranks traced one after the other in this one process, then the stepped one."""
+def _trace_all(recipes: list[str]) -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict, float]:
+    """Every recipe's ranks traced one after the other in this one process, then the stepped one, then what the ep
+    dispatch keeps."""
     from lightning_dist.plan.trace import trace_rank
 
     found = {}
@@ -50,11 +51,51 @@ def _trace_all(recipes: list[str]) -> tuple[dict[tuple[str, int], tuple[int, int
         for rank in _ranks(recipe):
             trace = trace_rank(cfg, rank, states=True)
             found[recipe, rank] = (trace.local_params, trace.param_bytes, trace.grad_bytes, trace.optimizer_bytes)
-    return found, trace_rank(compose_config(STEPPED), 0, step=True).collectives
+    return found, trace_rank(compose_config(STEPPED), 0, step=True).collectives, _dispatch_extra_per_row()
+
+
+def _dispatch_extra_per_row(d_model: int = 128) -> float:
+    """bf16 elements per routed row that the ep dispatch keeps for the backward beyond the experts' own forward, in
+    units of ``d_model``: the real :class:`ExpertDispatch` over a one-rank gloo group (its all-to-alls are copies)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dist.models.moe import GroupedExperts
+    from lightning_dist.parallel.expert import ExpertDispatch
+    from lightning_dist.parallel_dims import ParallelDims
+
+    experts_, top_k, tokens = 8, 2, 256
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        experts = GroupedExperts(experts_, d_model, 256, "grouped_mm").to(torch.bfloat16)
+        dispatch = ExpertDispatch(experts, ParallelDims(1, dp_shard=1), experts_)
+        dispatch.ep_group = dist.group.WORLD  # one rank: the dispatch's all-to-alls run as copies
+
+        def saved(forward) -> float:
+            x = torch.randn(tokens, d_model, dtype=torch.bfloat16, requires_grad=True)
+            index = torch.stack([torch.randperm(experts_)[:top_k] for _ in range(tokens)])
+            weights = torch.rand(tokens, top_k, requires_grad=True)
+            skip = {t.untyped_storage().data_ptr() for t in (x, weights, *experts.parameters())}
+            storages: dict[int, int] = {}
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                if tensor.untyped_storage().data_ptr() not in skip:
+                    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(x, index, weights)
+            out.float().sum().backward()
+            return sum(storages.values()) / 2 / (tokens * top_k)
+
+        return (saved(dispatch._dispatch_and_combine) - saved(experts.forward)) / d_model
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def traced() -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict]:
+def traced() -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict, float]:
     return launch(_trace_all, 1, list(RECIPES))[0]
 
 
@@ -104,3 +145,11 @@ def test_a_full_size_ep_rank_issues_the_planned_collectives(traced) -> None:
     assert traced[1] == per_axis(planned)
     rows = 4096 * 6 * 2048 * 2  # a micro batch's routed rows: 4096 tokens x top-6, bf16 rows of d_model
     assert per_axis(planned)["ep"]["bytes"] == 26 * (4 * rows + 64 * 8)  # 26 MoE blocks: rows there and back, twice
+
+
+def test_the_ep_dispatch_keeps_what_the_planner_counts(traced) -> None:
+    """Beyond the experts' own forward, the dispatch keeps ``DISPATCH_ROW_EXTRA x d_model`` elements per routed row
+    (the planner's MoE activations under ep > 1; the rest of the block is tests/unit/test_plan_moe.py's)."""
+    from lightning_dist.plan.moe_memory import DISPATCH_ROW_EXTRA
+
+    assert traced[2] == pytest.approx(DISPATCH_ROW_EXTRA, abs=0.1)
