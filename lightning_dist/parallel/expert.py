@@ -123,6 +123,10 @@ def apply_expert_parallel(module: nn.Module, spec: ExpertParallelSpec, dims: Par
 class ExpertDispatch:
     """The wrapped forward of one experts module (see the module docstring)."""
 
+    #: Take a balanced routing's split sizes (every ep rank sends each the same rows) instead of reading the counts
+    #: back to the host: set by the planner's trace (``plan/trace.py``), whose fake tensors hold no values.
+    balanced_splits: bool = False
+
     def __init__(self, experts: nn.Module, dims: ParallelDims, num_experts: int) -> None:
         self.experts = experts
         self.num_experts = num_experts
@@ -185,7 +189,10 @@ class ExpertDispatch:
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,): rows this rank sends to each expert
         received = torch.empty_like(counts)  # (E,) as (ep, local): rows each rank sends to each of my experts
         dist.all_to_all_single(received, counts, group=group)
-        send, recv = self.split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), flat.numel())
+        if self.balanced_splits:  # a planner's trace on fake tensors: no counts to read
+            send = recv = [flat.numel() // ep] * ep
+        else:  # the one read back to the host (tests/distributed/test_host_syncs.py counts it here)
+            send, recv = torch.stack([counts.view(ep, local).sum(1), received.view(ep, local).sum(1)]).tolist()
         rows = AllToAll.apply(x[token], recv, send, group)  # (R', C): the rows routed to my experts
         # Each source rank's rows arrive sorted by expert: the local expert of each received row.
         expert = torch.arange(local, device=flat.device).repeat(ep)  # (ep * local,)
@@ -195,14 +202,6 @@ class ExpertDispatch:
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)  # (R, 1)
         back = (back.float() * weights.float()).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, back)  # (N, C)
-
-    @staticmethod
-    def split_sizes(send: Tensor, recv: Tensor, rows: int) -> tuple[list[int], list[int]]:
-        """The rows this rank sends to and receives from each ep rank (``(ep,)`` each; ``rows``: what it sends in
-        all), read back to the host: the dispatch's one read. The planner's trace, on fake tensors that hold no
-        values, replaces it with a balanced routing's (``plan/trace.py``)."""
-        send_sizes, recv_sizes = torch.stack([send, recv]).tolist()
-        return send_sizes, recv_sizes
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -154,18 +154,12 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
 @contextlib.contextmanager
 def _balanced_dispatch() -> Any:
     """Expert parallelism's split sizes as a balanced routing gives them (each ep rank sends every other the same
-    rows, ``R / ep``, and receives as many): fake tensors hold no counts to read back to the host."""
-    original = ExpertDispatch.split_sizes
-
-    def balanced(send: torch.Tensor, recv: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
-        ep = send.numel()
-        return [rows // ep] * ep, [rows // ep] * ep
-
-    ExpertDispatch.split_sizes = staticmethod(balanced)  # type: ignore[method-assign]
+    rows and receives as many): fake tensors hold no counts to read back to the host."""
+    ExpertDispatch.balanced_splits = True
     try:
         yield
     finally:
-        ExpertDispatch.split_sizes = staticmethod(original)  # type: ignore[method-assign]
+        ExpertDispatch.balanced_splits = False
 
 
 def _fake_states(module: Any) -> dict[str, int]:
