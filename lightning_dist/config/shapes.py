@@ -54,6 +54,21 @@ def hf_config(model: HFModelConfig) -> Any:
     return config
 
 
+#: The config fields transformers' MoE families name their routed experts count by.
+HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_hf_expert_parallel(config: Any, ep: int) -> None:
+    """Raise a one-line ``ValueError`` where ``ep`` does not divide the routed experts of a transformers config (one
+    naming its count otherwise is checked by the strategy, against the model's experts modules)."""
+    experts = next((getattr(config, name) for name in HF_EXPERT_COUNTS if getattr(config, name, None)), None)
+    if isinstance(experts, int) and experts % ep:
+        raise ValueError(
+            f"parallelism.ep={ep} does not divide the {experts} experts of model=hf {config.model_type!r}; use an ep "
+            "dividing it."
+        )
+
+
 def attention_for(config: Any, asked: str) -> str:
     """The attention implementation to build ``config``'s model with: ``auto`` is the family's own choice (sdpa where
     its class supports it, else eager).

@@ -28,7 +28,7 @@ from lightning_dist.config.hub import resolve_data_path
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
-from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
+from lightning_dist.config.shapes import check_hf_expert_parallel, hf_config, num_blocks, vocab_and_length
 from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
 from lightning_dist.config.tp_plan import load_tp_plan
 from lightning_dist.config.trainer_args import adopt_lightning_names
@@ -251,15 +251,13 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
 
 
 def _check_expert_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> None:
-    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config) or a user's model (its own
-    ``expert_parallel_spec()``, checked by the strategy); HuggingFace MoE families are not wired yet."""
+    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config), a HuggingFace MoE family (its
+    experts count here, its interface by the family matrix's ep2 cell) or a user's model (its own
+    ``expert_parallel_spec()``, checked by the strategy)."""
     if gpt:
         cfg.model.moe.check_expert_parallel(dims.ep)
     elif isinstance(cfg.model, HFModelConfig):
-        raise ValueError(
-            f"parallelism.ep={dims.ep} with model=hf: expert parallelism runs the built-in GPT's MoE blocks "
-            "(model.moe.num_experts > 0) and a user's model with expert_parallel_spec(); set parallelism.ep=1."
-        )
+        check_hf_expert_parallel(hf_config(cfg.model), dims.ep)
 
 
 def _model_name(cfg: TrainConfig) -> str:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
+from lightning_dist.models.hf_experts import hf_expert_parallel_spec
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
 from lightning_dist.models.hf_loss import hf_chunked_loss
@@ -42,6 +43,7 @@ from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 _TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -249,6 +251,11 @@ class HFCausalLM(pl.LightningModule):
     def context_parallel_spec(self) -> ContextParallelSpec:
         """The attention modules (routed through transformers' attention hook) and the model taking ``position_ids``."""
         return hf_context_parallel_spec(self.model, hf_layout(self.model).blocks, "model.")
+
+    def expert_parallel_spec(self) -> ExpertParallelSpec | None:
+        """The family's own experts modules (``hf_experts.py``); ``None`` for a dense family or experts of another
+        interface."""
+        return hf_expert_parallel_spec(self.model, prefix="model.")
 
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``) or the family
