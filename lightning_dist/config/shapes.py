@@ -58,14 +58,21 @@ def hf_config(model: HFModelConfig) -> Any:
 HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def check_hf_expert_parallel(config: Any, ep: int) -> None:
+def check_hf_moe(config: Any, ep: int) -> None:
     """Raise a one-line ``ValueError`` where ``ep`` does not divide the routed experts of a transformers config (one
-    naming its count otherwise is checked by the strategy, against the model's experts modules)."""
+    naming its count otherwise is checked by the strategy, against the model's experts modules), or where the config
+    asks for transformers' router auxiliary loss (``output_router_logits``), which lightning-dist does not add."""
     experts = next((getattr(config, name) for name in HF_EXPERT_COUNTS if getattr(config, name, None)), None)
     if isinstance(experts, int) and experts % ep:
         raise ValueError(
             f"parallelism.ep={ep} does not divide the {experts} experts of model=hf {config.model_type!r}; use an ep "
             "dividing it."
+        )
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise ValueError(
+            f"model=hf {config.model_type!r} has output_router_logits=true: transformers' router auxiliary loss is a "
+            "statistic of each rank's micro batch (another layout, another loss), and lightning-dist trains the "
+            "cross-entropy only; set output_router_logits=false in its config.json (or router_aux_loss_coef=0)."
         )
 
 
