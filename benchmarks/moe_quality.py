@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diloco_quality import compose  # noqa: E402  (the config as lightning-dist-train composes it)
+from diloco_quality import compose  # the config as lightning-dist-train composes it
 
 ROOT = Path(__file__).resolve().parents[1]
 VAL_EVERY = 100
