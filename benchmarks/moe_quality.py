@@ -76,8 +76,9 @@ def run_one(model: str, corpus: str, steps: int, out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - began
     with Path(result.csv).open() as handle:
         val = {int(r["step"]) + 1: float(r["val/loss"]) for r in csv.DictReader(handle) if r.get("val/loss")}
+    final = result.val_loss if result.val_loss is not None else val.get(max(val, default=0))
     return {"name": f"{model}_{corpus}", "model": model, "corpus": corpus, "label": MODELS[model][0], "val": val,
-            "val_loss": result.val_loss if result.val_loss is not None else val.get(max(val, default=0)), "loss_floor": result.loss_floor, "total_params": total,
+            "val_loss": final, "loss_floor": result.loss_floor, "total_params": total,
             "active_params": active, "wall_s": round(wall, 1)}  # fmt: skip
 
 
