@@ -257,6 +257,10 @@ class HFCausalLM(pl.LightningModule):
         interface."""
         return hf_expert_parallel_spec(self.model, prefix="model.")
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise before sharding when the family matrix does not vouch for expert parallelism of this family."""
+        self._check_family({"ep": ep})
+
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``) or the family
         matrix does not vouch for it (``hf_families.py``)."""

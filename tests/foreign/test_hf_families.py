@@ -119,6 +119,16 @@ def test_a_refused_family_layout_is_one_line_before_launch(family: str, layout: 
         validate(compose_config(overrides))
 
 
+def test_a_strategy_given_hf_causal_lm_directly_checks_ep_against_the_matrix() -> None:
+    """Without the app's config check (a user's own Trainer and MeshStrategy(ep=2)), the module refuses ep for a
+    family the matrix does not vouch for, before anything is sharded."""
+    from lightning_dist.models.hf import HFCausalLM
+    from lightning_dist.strategies.mesh import declared_ep_spec
+
+    with pytest.raises(ValueError, match=r"parallelism.ep=2 with model=hf 'llama': not exact .*ep2: ValueError: ep=2"):
+        declared_ep_spec(HFCausalLM(tiny_config("llama")), 2)
+
+
 def test_an_moe_config_asking_for_transformers_router_loss_is_refused(tmp_path: Path) -> None:
     """transformers adds its router auxiliary loss with ``output_router_logits``; lightning-dist trains the
     cross-entropy only, so such a config stops in one line instead of training without the loss it asked for."""
