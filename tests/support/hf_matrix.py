@@ -345,7 +345,9 @@ def markdown(matrix: dict[str, Any]) -> str:
         "that is not `exact` says why, and that family is refused under that layout before launch (one line; "
         "`model.allow_untested_family=true` runs a family this table does not list). `cp2` runs a tiny config with "
         "sliding windows with its windows off: a config with a window is refused under cp by its own one-line check "
-        "(the cp attention is full causal attention), whatever the family.",
+        "(the cp attention is full causal attention), whatever the family. `ep2` runs the MoE families whose experts "
+        "have transformers' stacked interface (`models/hf_experts.py`) with their experts split over 2 ranks; the "
+        "others are refused under `parallelism.ep`.",
         "",
         "| family | class | " + " | ".join(COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
