@@ -49,3 +49,33 @@ def test_an_hf_moe_family_with_its_experts_split_over_ep_beside_another_axis_equ
 ) -> None:
     losses, reference = found[key]
     assert verdict(losses, reference) == "exact", (losses, reference)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_the_planner_models_an_hf_moe_family_as_the_gpt_with_its_experts(family: str, tmp_path) -> None:
+    """``planned_model`` of an MoE family is the GPT with MoE blocks of the same experts: the same parameters, up to
+    what the GPT has no place for (Qwen3-MoE's and OLMoE's q / k norms, Qwen2-MoE's q / k / v biases and one-row
+    shared-expert gate)."""
+    from support.hf_tiny import tiny_config
+
+    from lightning_dist.config.schema import HFModelConfig
+    from lightning_dist.config.shapes import planned_model
+    from lightning_dist.models.gpt import GPT
+    from lightning_dist.models.hf_init import build_causal_lm
+
+    config = tiny_config(family)
+    config.save_pretrained(tmp_path)
+    planned = planned_model(HFModelConfig(config=str(tmp_path)))
+    assert planned.moe.num_experts == build_causal_lm(config).model.layers[0].mlp.experts.num_experts
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in GPT(planned).parameters())
+    theirs = sum(p.numel() for p in build_causal_lm(config).parameters())
+    layers, width = config.num_hidden_layers, config.hidden_size
+    kv_width = width * config.num_key_value_heads // config.num_attention_heads
+    unplaced = {
+        "mixtral": 0,
+        "qwen2_moe": layers * (width + width + 2 * kv_width),
+        "qwen3_moe": layers * 2 * (width // config.num_attention_heads),
+        "olmoe": layers * (width + kv_width),
+    }[family]
+    assert theirs - ours == unplaced, (theirs, ours)
