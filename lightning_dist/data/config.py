@@ -15,6 +15,9 @@ TOKEN_DTYPES = ("uint16", "uint32")
 HF_FORMATS = ("text", "instruction", "chat")
 #: data=hf, .txt files: what one document is (the ``sample_by`` of the datasets library's text loader).
 SAMPLE_BY = ("document", "paragraph", "line")
+#: data.streaming=true: a train source streamed from the hub, ``hf://datasets/<org/name>[@<revision>]`` (a hub id not
+#: cached becomes one before launch: ``lightning_dist.config.hub.hub_stream``).
+HUB_STREAM = "hf://datasets/"
 
 
 @dataclass
@@ -211,6 +214,17 @@ def _validate_hf(cfg: Any) -> None:
 def sources(cfg: Any) -> list[str]:
     """``data.path`` as a list of sources (one path or hub id, or a list of them)."""
     return [cfg.path] if isinstance(cfg.path, str) else [str(p) for p in cfg.path]
+
+
+def hub_stream_id(source: str) -> tuple[str, str | None] | None:
+    """``(repo id, revision or None)`` of a source streamed from the hub (``hf://datasets/<org/name>[@<rev>]``), else
+    None (a local file, folder or glob)."""
+    if not source.startswith(HUB_STREAM):
+        return None
+    repo_id, _, revision = source[len(HUB_STREAM) :].strip("/").partition("@")
+    if repo_id.count("/") != 1:
+        raise ValueError(f"data.path={source}: a hub dataset is hf://datasets/<org>/<name>[@<revision>]")
+    return repo_id, revision or None
 
 
 def _shown(value: Any) -> str:
