@@ -149,7 +149,7 @@ def streamed(hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     return hub
 
 
-@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "txt"])
 def test_a_streamed_hub_dataset_is_read_by_range_requests_as_its_local_files_and_resumes_exactly(
     streamed: HubStandIn, tmp_path: Path, suffix: str
 ) -> None:
@@ -165,6 +165,8 @@ def test_a_streamed_hub_dataset_is_read_by_range_requests_as_its_local_files_and
         rows = texts[part * 24 : (part + 1) * 24]
         if suffix == "jsonl":
             (folder / "data" / f"train-{part}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+        elif suffix == "txt":  # a record per paragraph (data.sample_by), as from disk
+            (folder / "data" / f"train-{part}.txt").write_text("\n\n".join(rows))
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -173,7 +175,7 @@ def test_a_streamed_hub_dataset_is_read_by_range_requests_as_its_local_files_and
     streamed.add("tiny-org/streamed", folder, kind="dataset")
     tokenizer = make_tiny_tokenizer(tmp_path / "tok", texts, chat_template=None)
     common = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8",
-              "model.vocab_size=300"]  # fmt: skip
+              "model.vocab_size=300", "data.sample_by=paragraph"]  # fmt: skip
     from_hub = validate(compose_config([*common, "data.path=tiny-org/streamed"])).cfg.data
     assert from_hub.path == "hf://datasets/tiny-org/streamed@0123456789abcdef0123456789abcdef01234567"  # pinned
     from_disk = validate(compose_config([*common, f"data.path={folder / 'data'}"])).cfg.data
