@@ -180,3 +180,19 @@ def test_a_stream_s_run_is_bounded_by_steps(overrides: list[str], message: str) 
     cfg = compose_config([*FAST, *STREAMING, "data.path=a.jsonl", *overrides])
     with pytest.raises(ValueError, match=message):
         check_run_fields(cfg)
+
+
+def test_sources_without_records_stop_with_one_line_rather_than_loop(setup) -> None:
+    class Empty:  # a stream of no records (datasets' own loaders refuse an empty file before this)
+        def __iter__(self):
+            return iter(())
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    _, tokenizer, data = setup
+    with pytest.raises(ValueError, match=r"^data.path: the streamed sources hold no records; point data.path at"):
+        next(iter(StreamedWindows(Empty(), tokenizer, data)))
