@@ -36,7 +36,7 @@ from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init
 from lightning_dist.models.hf_loss import hf_chunked_loss
 from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
-from lightning_dist.models.lora import apply_lora, init_lora
+from lightning_dist.models.lora import apply_lora, init_lora, to_keeping_adapters
 from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
@@ -159,6 +159,10 @@ class HFCausalLM(pl.LightningModule):
         if built and self.lora is not None:  # a built model keeps its values; its adapters get theirs
             apply_lora(model, self.lora, hf_layout(model).blocks)
             init_lora(model, init_seed)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.to``, but LoRA adapters stay float32 when the module is converted to bf16 (``bf16-true``)."""
+        return to_keeping_adapters(super().to, self, *args, **kwargs)
 
     def configure_model(self) -> None:
         """Build the model from its config on the meta device; outside our strategies' meta context (one device,
