@@ -92,6 +92,9 @@ class ParallelModule(Protocol):
         ``num_experts / ep`` of them and gets the rows routed to those (ids counted from its first).
         """
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise a one-line ``ValueError`` naming the reason and the fix when ``ep > 1`` cannot split the experts."""
+
     def reset_parameters(self) -> None:
         """Initialize every parameter after a strategy materialized the model from the meta device.
 
@@ -119,6 +122,7 @@ HOOKS: frozenset[str] = frozenset(
         "context_parallel_spec",
         "check_context_parallel",
         "expert_parallel_spec",
+        "check_expert_parallel",
         "reset_parameters",
         "set_loss_chunks",
     )
@@ -232,10 +236,12 @@ def declared_ep_spec(module: Any, ep: int) -> ExpertParallelSpec | None:
     """``module``'s ``expert_parallel_spec()`` (``None`` for a module without MoE experts), checked against ``ep``.
 
     Raises:
-        ValueError: ``ep > 1`` and the module has no experts, its spec names no module, or ``ep`` does not divide its
-            experts (one line).
+        ValueError: ``ep > 1`` and the module's ``check_expert_parallel`` refuses it, the module has no experts, its
+            spec names no module, or ``ep`` does not divide its experts (one line).
     """
-    hook = module_hook(module, "expert_parallel_spec")
+    hook, check = module_hook(module, "expert_parallel_spec"), module_hook(module, "check_expert_parallel")
+    if check is not None and ep > 1:
+        check(ep)
     spec = hook() if hook is not None else None
     if spec is None:
         if ep > 1:

@@ -6,6 +6,9 @@ a dataset's data files), by **one process per node**: local rank 0 (``LOCAL_RANK
 app's launcher resolves the config once per node) downloads and then writes a marker; the node's other processes wait
 for the marker and read the same files. The token is huggingface_hub's own (``HF_TOKEN``, or ``hf auth login``'s);
 ``HF_ENDPOINT`` names another hub; ``HF_HUB_OFFLINE=1`` downloads nothing (a miss is one line, as before).
+
+``data.streaming=true`` downloads no train source: a hub dataset id not cached is streamed by each rank
+(:func:`hub_stream`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+from lightning_dist.data.config import HUB_STREAM
 
 #: What a run reads from a model repo (not ``*.bin`` / ``*.pth`` / ``original/``: the safetensors are read).
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
@@ -130,12 +135,16 @@ def looks_like_hub_id(path: str) -> bool:
 def resolve_data_path(data: object) -> None:
     """``data=hf``: a ``data.path`` / ``data.val_path`` that is a hub dataset id, not a local path, becomes the local
     snapshot of its data files (:func:`hub_snapshot`), which ``data=hf`` then reads as a folder; each source of a
-    mixture (a list ``data.path``) alike. In place."""
+    mixture (a list ``data.path``) alike. With ``data.streaming=true`` a train source is not downloaded: it becomes
+    ``hf://datasets/<id>@<commit>`` (:func:`hub_stream`), which every rank streams from the hub. In place."""
     if getattr(data, "kind", None) != "hf":
         return
+    streaming = bool(getattr(data, "streaming", False))
 
     def local(field: str, value: str) -> str:
         if value and not Path(value).expanduser().exists() and looks_like_hub_id(value):
+            if streaming and field == "path":  # the train stream; data.val_path is cached, so downloaded
+                return hub_stream(f"data.{field}", value)
             return str(hub_snapshot(f"data.{field}", value, kind="dataset"))
         return value
 
@@ -145,3 +154,45 @@ def resolve_data_path(data: object) -> None:
             setattr(data, field, local(field, value) if value else value)
         else:  # data.streaming=true: a mixture, a list of sources
             setattr(data, field, [local(field, str(v)) for v in value])
+
+
+def hub_stream(field: str, name: str) -> str:
+    """What ``data.streaming=true`` reads of the hub dataset ``name`` (``org/name[@revision]``): its snapshot folder
+    when it is in the HuggingFace cache already (read from disk, no network), else ``hf://datasets/<id>@<commit>``,
+    streamed by each rank (``datasets.load_dataset(<id>, streaming=True)``: HTTP range reads, nothing downloaded
+    whole) at the commit the revision names now, so every rank reads the same files.
+
+    Raises:
+        ValueError: huggingface_hub missing; not cached while ``HF_HUB_OFFLINE`` is set; not on the hub or not
+            reachable (one line each).
+    """
+    try:
+        import huggingface_hub  # optional: lightning-dist[hf]
+        from huggingface_hub import HfApi, snapshot_download
+    except ImportError:
+        raise ValueError(
+            f"{field}={name} is not a local path, and a hub id needs huggingface_hub; pip install "
+            "'lightning-dist[hf]', or give a local folder."
+        ) from None
+    repo_id, _, revision = name.partition("@")
+    cache, errors = hub_cache_dir(), (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError)
+    try:
+        return str(snapshot_download(repo_id, repo_type="dataset", revision=revision or None, cache_dir=cache,
+                                     allow_patterns=list(DATA_FILES), local_files_only=True))  # fmt: skip
+    except errors:  # not cached: streamed
+        pass
+    if offline():
+        raise ValueError(
+            f"{field}={name} is not in the HuggingFace cache ({cache}) and HF_HUB_OFFLINE is set, so it cannot be "
+            f"streamed from the hub; unset HF_HUB_OFFLINE, or download it first (hf download {repo_id} --repo-type "
+            "dataset) into this cache."
+        )
+    try:
+        info = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).dataset_info(repo_id, revision=revision or None)
+    except errors as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{field}={name}: looking it up on the hub failed ({reason}); check the id and your access (HF_TOKEN or "
+            "`hf auth login` for a gated repo), or give a local folder."
+        ) from None
+    return f"{HUB_STREAM}{repo_id}@{info.sha or revision or 'main'}"

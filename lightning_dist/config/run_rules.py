@@ -21,6 +21,17 @@ def check_run_fields(cfg: TrainConfig) -> None:
             )
     check_loggers(cfg.logger)
     check_trainer(trainer)
+    if cfg.data.kind == "hf" and cfg.data.streaming:  # one endless epoch: a pass over the sources starts the next
+        if trainer.max_steps == -1:
+            raise ValueError(
+                "trainer.max_steps=-1 with data.streaming=true: a stream has no epochs (when every source is done it "
+                "starts a second pass); set trainer.max_steps=<n>."
+            )
+        if cfg.data.val_path is not None and isinstance(trainer.val_check_interval, float):
+            raise ValueError(
+                f"trainer.val_check_interval={trainer.val_check_interval} is a fraction of an epoch, and a stream's "
+                "one epoch has no end; give a count of steps (trainer.val_check_interval=<n>)."
+            )
     cfg.debug.check(cfg.cluster.accelerator, trainer.max_steps)
     if every.every_n_steps is not None and every.every_n_steps < 1:
         raise ValueError(f"checkpoint.every_n_steps={every.every_n_steps} must be >= 1, or null (not by steps).")

@@ -12,7 +12,7 @@ from typing import Any
 from lightning_dist import _compat
 from lightning_dist.config.pretrained import pretrained_folder
 from lightning_dist.config.schema import HFModelConfig
-from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.models.gpt_config import GPTConfig, MoEConfig
 
 
 def num_blocks(model: Any) -> int | None:
@@ -54,6 +54,30 @@ def hf_config(model: HFModelConfig) -> Any:
     return config
 
 
+#: Llama-like MoE families the planner models as the GPT with MoE blocks (``_planned_moe``).
+MOE_LIKE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+#: The config fields transformers' MoE families name their routed experts count by.
+HF_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_hf_moe(config: Any, ep: int) -> None:
+    """Raise a one-line ``ValueError`` where ``ep`` does not divide the routed experts of a transformers config (one
+    naming its count otherwise is checked by the strategy, against the model's experts modules), or where the config
+    asks for transformers' router auxiliary loss (``output_router_logits``), which lightning-dist does not add."""
+    experts = next((getattr(config, name) for name in HF_EXPERT_COUNTS if getattr(config, name, None)), None)
+    if isinstance(experts, int) and experts % ep:
+        raise ValueError(
+            f"parallelism.ep={ep} does not divide the {experts} experts of model=hf {config.model_type!r}; use an ep "
+            "dividing it."
+        )
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise ValueError(
+            f"model=hf {config.model_type!r} has output_router_logits=true: transformers' router auxiliary loss is a "
+            "statistic of each rank's micro batch (another layout, another loss), and lightning-dist trains the "
+            "cross-entropy only; set output_router_logits=false in its config.json (or router_aux_loss_coef=0)."
+        )
+
+
 def attention_for(config: Any, asked: str) -> str:
     """The attention implementation to build ``config``'s model with: ``auto`` is the family's own choice (sdpa where
     its class supports it, else eager).
@@ -76,7 +100,23 @@ def attention_for(config: Any, asked: str) -> str:
 
 
 #: HuggingFace model types whose layout the built-in GPT's ``arch=llama`` has (the planner estimates them as it).
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", *MOE_LIKE)
+
+
+def _planned_moe(config: Any) -> MoEConfig:
+    """The GPT MoE block of a Llama-like MoE family (``MOE_LIKE``): its routed and shared experts, top-k, routing;
+    a dense config's is off. (Qwen3-MoE's and OLMoE's per-head q / k norms are left out: 2 x head_dim each.)"""
+    if config.model_type not in MOE_LIKE:
+        return MoEConfig()
+    hidden = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    return MoEConfig(
+        num_experts=getattr(config, "num_local_experts", None) or config.num_experts,
+        top_k=config.num_experts_per_tok,
+        hidden=hidden,
+        shared_experts=shared // hidden,
+        route_norm=bool(getattr(config, "norm_topk_prob", True)),
+    )
 
 
 def planned_model(model: Any) -> GPTConfig:
@@ -109,6 +149,7 @@ def planned_model(model: Any) -> GPTConfig:
             norm_eps=config.rms_norm_eps,
             tie_embeddings=bool(config.tie_word_embeddings),
             lora=model.lora,
+            moe=_planned_moe(config),
         )
     raise ValueError(
         f"the planner models the built-in GPT and Llama-family HuggingFace models, not {type(model).__name__}; plan "

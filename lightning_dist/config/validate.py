@@ -28,7 +28,7 @@ from lightning_dist.config.hub import resolve_data_path
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
-from lightning_dist.config.shapes import hf_config, num_blocks, vocab_and_length
+from lightning_dist.config.shapes import check_hf_moe, hf_config, num_blocks, vocab_and_length
 from lightning_dist.config.strategy_rules import CANNOT_DO, check_strategy_can_do
 from lightning_dist.config.tp_plan import load_tp_plan
 from lightning_dist.config.trainer_args import adopt_lightning_names
@@ -198,7 +198,8 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         _check_expert_parallel(cfg, dims, gpt)
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
-        check_family(hf_config(cfg.model), dims.degrees, start, cfg.model.allow_untested_family,
+        check_hf_moe(hf_config(cfg.model), dims.ep)
+        check_family(hf_config(cfg.model), {**dims.degrees, "ep": dims.ep}, start, cfg.model.allow_untested_family,
                      cfg.parallelism.loss_chunks)  # fmt: skip
     if not dims.pp_enabled:
         return
@@ -251,15 +252,10 @@ def _check_context_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> 
 
 
 def _check_expert_parallel(cfg: TrainConfig, dims: ParallelDims, gpt: bool) -> None:
-    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config) or a user's model (its own
-    ``expert_parallel_spec()``, checked by the strategy); HuggingFace MoE families are not wired yet."""
+    """The experts split over ep: the GPT's MoE blocks (its rule, beside its config); a HuggingFace MoE family's are
+    checked with its family (``check_hf_moe``), a user's model's by the strategy (its ``expert_parallel_spec()``)."""
     if gpt:
         cfg.model.moe.check_expert_parallel(dims.ep)
-    elif isinstance(cfg.model, HFModelConfig):
-        raise ValueError(
-            f"parallelism.ep={dims.ep} with model=hf: expert parallelism runs the built-in GPT's MoE blocks "
-            "(model.moe.num_experts > 0) and a user's model with expert_parallel_spec(); set parallelism.ep=1."
-        )
 
 
 def _model_name(cfg: TrainConfig) -> str:

@@ -15,6 +15,9 @@ TOKEN_DTYPES = ("uint16", "uint32")
 HF_FORMATS = ("text", "instruction", "chat")
 #: data=hf, .txt files: what one document is (the ``sample_by`` of the datasets library's text loader).
 SAMPLE_BY = ("document", "paragraph", "line")
+#: data.streaming=true: a train source streamed from the hub, ``hf://datasets/<org/name>[@<revision>]`` (a hub id not
+#: cached becomes one before launch: ``lightning_dist.config.hub.hub_stream``).
+HUB_STREAM = "hf://datasets/"
 
 
 @dataclass
@@ -37,8 +40,9 @@ class DataConfig:
     ignored (the tokenizer's)."""
     path: Any = None
     """text: a file, a directory or a glob; tokens: a directory holding train.bin and val.bin; hf: a file, a directory
-    or a glob of .txt, .jsonl / .json or .parquet files (one kind), or a hub dataset id; with data.streaming=true also
-    a list of them, a weighted mixture of sources (data.weights)."""
+    or a glob of .txt, .jsonl / .json or .parquet files (one kind), or a hub dataset id (downloaded; with
+    data.streaming=true streamed from the hub, hf://datasets/<id>[@<rev>]); with data.streaming=true also a list of
+    them, a weighted mixture of sources (data.weights)."""
     val_fraction: float = 0.1
     """text: fraction of the concatenated bytes, taken at the tail, used for validation; hf: fraction of the windows,
     taken at the tail (ignored with data.val_path)."""
@@ -79,7 +83,8 @@ class DataConfig:
     """hf: processes that tokenize (datasets' map); None = min(8, CPU count)."""
     streaming: bool = False
     """hf, format=text: read the train corpus as it is needed, tokenized and packed on the fly, nothing cached (a
-    corpus larger than disk); the position in the stream is checkpointed, so a resume continues it exactly, under
+    corpus larger than disk; a hub dataset is streamed, not downloaded); past its end it starts another pass, so the
+    run ends at trainer.max_steps. The position in the stream is checkpointed, so a resume continues it exactly, under
     any data-parallel size. Validation reads data.val_path (cached as usual); without it validation is off."""
     weights: list[float] | None = None
     """hf, data.streaming=true with a list data.path: each source's share of the records drawn (normalized; the
@@ -211,6 +216,17 @@ def _validate_hf(cfg: Any) -> None:
 def sources(cfg: Any) -> list[str]:
     """``data.path`` as a list of sources (one path or hub id, or a list of them)."""
     return [cfg.path] if isinstance(cfg.path, str) else [str(p) for p in cfg.path]
+
+
+def hub_stream_id(source: str) -> tuple[str, str | None] | None:
+    """``(repo id, revision or None)`` of a source streamed from the hub (``hf://datasets/<org/name>[@<rev>]``), else
+    None (a local file, folder or glob)."""
+    if not source.startswith(HUB_STREAM):
+        return None
+    repo_id, _, revision = source[len(HUB_STREAM) :].strip("/").partition("@")
+    if repo_id.count("/") != 1:
+        raise ValueError(f"data.path={source}: a hub dataset is hf://datasets/<org>/<name>[@<revision>]")
+    return repo_id, revision or None
 
 
 def _shown(value: Any) -> str:

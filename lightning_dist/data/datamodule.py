@@ -11,7 +11,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.data import corpus
-from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, sources, validate_data_config
+from lightning_dist.data.config import (
+    DataConfig,
+    data_seed,
+    hub_stream_id,
+    per_rank_batch_size,
+    sources,
+    validate_data_config,
+)
 from lightning_dist.data.files import TextDataset, TokenDataset
 from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
 from lightning_dist.data.streaming import StreamedWindows, build_streamed_windows
@@ -114,8 +121,9 @@ class TokenDataModule(pl.LightningDataModule):
         elif cfg.kind == "text":
             self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
         elif cfg.kind == "hf" and cfg.streaming:
-            for path in sources(cfg):
-                corpus.corpus_files(path)  # missing sources fail here, before launch; the stream is built per rank
+            for path in sources(cfg):  # missing sources fail here, before launch; the stream is built per rank
+                if hub_stream_id(path) is None:  # a hub dataset: looked up before launch (config/hub.py)
+                    corpus.corpus_files(path)
             self._datasets = {"val": _packed(build_cache(cfg, "data.val_path"))} if cfg.val_path else {}
         elif cfg.kind == "hf":
             self._datasets = dict(hf_datasets(cfg))

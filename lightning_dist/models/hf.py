@@ -30,18 +30,20 @@ from torch import Tensor, nn
 
 from lightning_dist import _compat
 from lightning_dist.models.hf_context import check_context_parallel, hf_context_parallel_spec
+from lightning_dist.models.hf_experts import hf_expert_parallel_spec
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.models.hf_init import build_causal_lm, causal_lm_class, init_causal_lm
 from lightning_dist.models.hf_loss import hf_chunked_loss
 from lightning_dist.models.hf_parallel import hf_tensor_parallel_plan
 from lightning_dist.models.hf_pipeline import hf_layout, hf_stage_forward
-from lightning_dist.models.lora import apply_lora, init_lora
+from lightning_dist.models.lora import apply_lora, init_lora, to_keeping_adapters
 from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-exported (hf.IGNORE_INDEX)
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
 from lightning_dist.parallel.context import ContextParallelSpec
+from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
 _TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -158,6 +160,10 @@ class HFCausalLM(pl.LightningModule):
             apply_lora(model, self.lora, hf_layout(model).blocks)
             init_lora(model, init_seed)
 
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.to``, but LoRA adapters stay float32 when the module is converted to bf16 (``bf16-true``)."""
+        return to_keeping_adapters(super().to, self, *args, **kwargs)
+
     def configure_model(self) -> None:
         """Build the model from its config on the meta device; outside our strategies' meta context (one device,
         Lightning's DDP) allocate it here and initialize it as :meth:`reset_parameters` does."""
@@ -249,6 +255,15 @@ class HFCausalLM(pl.LightningModule):
     def context_parallel_spec(self) -> ContextParallelSpec:
         """The attention modules (routed through transformers' attention hook) and the model taking ``position_ids``."""
         return hf_context_parallel_spec(self.model, hf_layout(self.model).blocks, "model.")
+
+    def expert_parallel_spec(self) -> ExpertParallelSpec | None:
+        """The family's own experts modules (``hf_experts.py``); ``None`` for a dense family or experts of another
+        interface."""
+        return hf_expert_parallel_spec(self.model, prefix="model.")
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise before sharding when the family matrix does not vouch for expert parallelism of this family."""
+        self._check_family({"ep": ep})
 
     def check_context_parallel(self, cp: int) -> None:
         """Raise before sharding when ``cp`` cannot split this model's sequences (see ``hf_context.py``) or the family

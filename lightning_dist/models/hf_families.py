@@ -4,8 +4,8 @@
 transformers provides: for every decoder-only causal-LM family, whether lightning-dist's meta-device build equals
 transformers' (``init``), whether transformers' saved weights give transformers' first loss (``pretrained``), whether
 the chunked loss equals the plain one (``chunked``), and whether 4 steps under fsdp2 / tp2 / pp2 / cp2 equal one
-process. A family is run only where its cell is ``exact``; any
-other cell is the reason it is refused, in one line, before a process starts. A family the matrix does not list
+process (and ep2 for MoE families: experts split over 2 ranks). A family is run only where its cell is ``exact``;
+any other cell is the reason it is refused, in one line, before a process starts. A family the matrix does not list
 (a newer transformers) is refused too, unless ``model.allow_untested_family=true``. ``docs/reference/hf-families.md``
 shows the same table. Torch-free: the launcher reads it.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 MATRIX = Path(__file__).with_name("hf_families.json")
 #: The matrix column that vouches for each axis when its degree is above one.
-AXIS_COLUMNS = {"dp_shard": "fsdp2", "tp": "tp2", "pp": "pp2", "cp": "cp2"}
+AXIS_COLUMNS = {"dp_shard": "fsdp2", "tp": "tp2", "pp": "pp2", "cp": "cp2", "ep": "ep2"}
 DOCS = "docs/reference/hf-families.md"
 #: Set to ``1`` while ``tests/support/hf_matrix.py`` fills the matrix: nothing is refused then.
 GENERATING = "LIGHTNING_DIST_GENERATING_FAMILY_MATRIX"

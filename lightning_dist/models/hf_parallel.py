@@ -84,7 +84,11 @@ def hf_tensor_parallel_plan(model: nn.Module, blocks: str, prefix: str = "") -> 
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":
         return {prefix + pattern: _Conv1DStyle(rowwise) for pattern, rowwise in _GPT2_PLAN.items()}
-    shipped = {p: s for p, s in dict(getattr(model, "tp_plan", None) or {}).items() if ".experts" not in p}
+    names = [n for n, _ in model.named_modules() if n]
+    # A family's plan names every kind of layer it has (Qwen3-MoE's dense MLP beside the sparse one); a config with
+    # none of one kind leaves its entries matching nothing, which a plan given by hand is refused for (a typo).
+    shipped = {p: s for p, s in dict(getattr(model, "tp_plan", None) or {}).items()
+               if ".experts" not in p and any(fnmatch.fnmatchcase(n, p) for n in names)}  # fmt: skip
     if not shipped:
         shipped = _llama_plan(model, blocks)
     if not shipped:

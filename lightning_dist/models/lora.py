@@ -3,7 +3,8 @@
 :func:`apply_lora` puts peft's LoRA layers in place of the targeted linear layers (``inject_adapter_in_model``: the
 model's class and forward are unchanged; a targeted ``q_proj`` becomes a peft ``Linear`` holding the original layer as
 ``q_proj.base_layer`` and the adapters as ``q_proj.lora_A.default`` / ``q_proj.lora_B.default``) and freezes every
-other parameter, so the optimizer holds the adapters only. It runs on the meta device like the rest of the build;
+other parameter, so the optimizer holds the adapters only; on a 16-bit base (``bf16-true``) the adapters are float32
+(peft's own default), so their updates are not rounded away. It runs on the meta device like the rest of the build;
 :func:`init_lora` then gives each adapter its value by name (peft's distributions: A Kaiming-uniform, B zeros), so
 every layout starts from the one-process adapters. The tensor-parallel styles of the adapters follow their base
 layer's (``lightning_dist/parallel/lora.py``).
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +31,8 @@ from lightning_dist.models.lora_config import LoraConfig
 ADAPTER = "default"  #: peft's adapter name (a single adapter per model)
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 _BASE = ".base_layer."
+_HALF = (torch.bfloat16, torch.float16)
+T = TypeVar("T")
 
 
 def is_adapter(name: str) -> bool:
@@ -106,7 +110,49 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, blocks: str) -> list[str]:
     peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=on_meta)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    for name, module in model.named_modules():
+        # A 16-bit base (cluster.precision=bf16-true) keeps float32 adapters, as peft's PeftModel does by default
+        # (autocast_adapter_dtype): a bf16 adapter rounds away AdamW updates below half its last bit (at lr 2e-4,
+        # most of A's entries never moved). peft's forward casts the input to the adapter's dtype and the sum back.
+        if name.endswith((f".lora_A.{ADAPTER}", f".lora_B.{ADAPTER}")) and module.weight.dtype in _HALF:
+            module.to(torch.float32)
     return targets
+
+
+def to_keeping_adapters(to: Callable[..., T], model: nn.Module, *args: Any, **kwargs: Any) -> T:
+    """``to(*args, **kwargs)``, a module's ``nn.Module.to`` over ``model``, except that a conversion to a 16-bit dtype
+    (Lightning's ``bf16-true`` converts the whole module so, after the strategy built and sharded it) leaves the
+    float32 adapters (:func:`apply_lora`) float32, moved to the device asked for if any. They are left out of the
+    conversion rather than converted back: a round trip through bf16 would round their values."""
+    device, dtype = _to_arguments(*args, **kwargs)
+    if dtype not in _HALF:
+        return to(*args, **kwargs)
+    kept = [(holder, module) for name, holder in model.named_modules() if name.endswith((".lora_A", ".lora_B"))
+            if isinstance(module := holder[ADAPTER], nn.Module) and module.weight.dtype == torch.float32]  # fmt: skip
+    for holder, _ in kept:  # out of the module tree while it converts (ModuleDict entries: public API)
+        holder[ADAPTER] = nn.Identity()
+    try:
+        out = to(*args, **kwargs)
+    finally:
+        for holder, module in kept:
+            holder[ADAPTER] = module
+    if device is not None:
+        for _, module in kept:
+            module.to(device)
+    return out
+
+
+def _to_arguments(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and dtype a call ``nn.Module.to(*args, **kwargs)`` asks for (None: not asked)."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, Tensor):
+            device, dtype = arg.device, arg.dtype
+        elif isinstance(arg, (str, int, torch.device)) and not isinstance(arg, bool):  # not non_blocking
+            device = arg
+    return (torch.device(device) if device is not None else None), dtype
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from lightning_dist.models.gpt_parallel import (
     gpt_expert_parallel_spec,
     gpt_tensor_parallel_plan,
 )
-from lightning_dist.models.lora import apply_lora, init_lora
+from lightning_dist.models.lora import apply_lora, init_lora, to_keeping_adapters
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
 from lightning_dist.models.moe import load_stats, moe_layers, update_expert_bias
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
@@ -62,6 +62,10 @@ class GPTModule(pl.LightningModule):
         self.step_loss = StepLoss()
 
     # ------------------------------------------------------------------------------------------------- model
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.to``, but LoRA adapters stay float32 when the module is converted to bf16 (``bf16-true``)."""
+        return to_keeping_adapters(super().to, self, *args, **kwargs)
+
     def configure_model(self) -> None:
         """Build the model (on the meta device when the strategy asks for empty init; it materializes later)."""
         if self.model is not None:

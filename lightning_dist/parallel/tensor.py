@@ -133,7 +133,10 @@ class ReplicateParallel(ParallelStyle):
 
 
 def unwrap_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    """A module's DTensor output as this rank's plain tensor (the styles here hand plain tensors on)."""
+    """A module's DTensor outputs as this rank's plain tensors (the styles here hand plain tensors on), in a tuple
+    or list too (transformers' MoE routers return ``(logits, scores, indices)``)."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(unwrap_outputs(module, output, mesh) for output in outputs)
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 

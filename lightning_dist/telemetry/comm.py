@@ -15,10 +15,10 @@ module at call time, so replacing those module attributes while a :class:`CommTr
 - DDP's reducer is C++; :func:`register_ddp_comm_hook` makes it go through ``torch.distributed.all_reduce``
   (torch's own ``allreduce_hook``, the same arithmetic as DDP's built-in all-reduce).
 
-Only the base functions are wrapped; deprecated aliases (``all_gather_into_tensor`` when ``all_gather_single``
-exists, ``funcol.all_gather_tensor``...) call a base function through the module and are counted there once. A
-per-thread depth counter keeps calls made *inside* a tracked call (the ``isend`` calls of ``batch_isend_irecv``)
-from being counted twice.
+Only the base functions are wrapped (deprecated aliases call one through the module: counted there once); a
+per-thread depth counter keeps calls made *inside* a tracked call (``batch_isend_irecv``'s ``isend``) from being
+counted twice. A group whose ranks are both ``ep`` and a data-parallel axis (``ep = dp_shard``) reports its
+all-to-alls under ``ep`` and the rest (FSDP2's) under ``dp``.
 
 Counting (calls, bytes) is exact and always on. Timing can be switched per step (:attr:`CommTracker.timing`): an
 untimed call goes straight through (no wait, no events), so the ``Telemetry`` callback times a sample of the steps
@@ -52,11 +52,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_dist._compat import resolve_process_group, wait_functional_collective
-from lightning_dist.parallel_dims import DP, REPORTED_AXES, REPORTED_AXIS
+from lightning_dist.parallel_dims import DP, EP, REPORTED_AXES, REPORTED_AXIS
 from lightning_dist.telemetry import torch_patches
+from lightning_dist.telemetry.torch_patches import register_ddp_comm_hook as register_ddp_comm_hook  # re-exported
 
 #: DiLoCo's outer exchange, reported apart (:meth:`CommTracker.apart`) so that its few large collectives are not mixed
 #: into the per-step traffic on ``dp`` (with ``dp_shard=1`` torch hands out one group object for every data-parallel
@@ -157,12 +157,8 @@ class CommTracker:
         timing: Time the calls made while it is True (count them either way). Set it per step to time a sample.
     """
 
-    def __init__(
-        self,
-        axis_groups: Mapping[str, Sequence[dist.ProcessGroup]] | None = None,
-        device_type: str = "cpu",
-        timing: bool = True,
-    ):
+    def __init__(self, axis_groups: Mapping[str, Sequence[Any]] | None = None, device_type: str = "cpu",
+                 timing: bool = True):  # fmt: skip
         self.use_cuda_events = device_type == "cuda"
         self.enabled = True
         self.timing = timing
@@ -170,6 +166,8 @@ class CommTracker:
         self._pending: list[tuple[OpStats, Any, Any]] = []  # CUDA (stats, start, end) events not read yet
         self._axis_by_key: dict[Any, tuple[str, int]] = {}  # id(group) / group name -> (axis, group size)
         self._axis_by_ranks: dict[tuple[int, ...], str] = {}
+        self._dp_ranks: set[tuple[int, ...]] = set()  # rank sets a data-parallel axis spans (see track)
+        self._ep_is_dp: dict[Any, bool] = {}  # per ep group argument: whether its ranks are a data-parallel axis's
         self._keep_alive: list[Any] = []  # groups whose id() is a cache key must not be collected and reused
         self._world_axis = DP if axis_groups is None else None
         self._apart: tuple[str, Any] | None = None  # (axis, group) while inside apart()
@@ -184,7 +182,9 @@ class CommTracker:
         self._axis_by_key.setdefault(group.group_name, (axis, size))
         self._keep_alive.append(group)
         if size > 1:  # size-1 groups of unused axes share rank sets; they move nothing anyway
-            self._axis_by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), axis)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self._axis_by_ranks.setdefault(ranks, axis)
+            self._dp_ranks.update([ranks] if axis == DP else [])
 
     @contextmanager
     def apart(self, axis: str, group: dist.ProcessGroup) -> Iterator[None]:
@@ -210,6 +210,14 @@ class CommTracker:
             self._axis_by_key[key] = found
             self._keep_alive.append(group)
         return found
+
+    def _is_dp(self, group: Any) -> bool:
+        """Whether ``group`` (resolved to ``ep``) spans a data-parallel axis's ranks too (cached by ``id``)."""
+        if id(group) not in self._ep_is_dp:
+            pg = dist.group.WORLD if group is None else group
+            ranks = tuple(dist.get_process_group_ranks(pg)) if isinstance(pg, dist.ProcessGroup) else ()
+            self._ep_is_dp[id(group)] = ranks in self._dp_ranks
+        return self._ep_is_dp[id(group)]
 
     def _resolve(self, group: Any) -> tuple[str, int]:
         if isinstance(group, list):  # deprecated ranks form of the functional collectives
@@ -292,7 +300,10 @@ class CommTracker:
 
     def track(self, fn: Callable, spec: torch_patches.Spec, args: tuple, kwargs: dict, kind: str) -> Any:
         """Count (and, while :attr:`timing`, time) one call of the wrapped ``fn``; the wrappers call this."""
-        axis, size = self.axis_of(torch_patches.argument(args, kwargs, spec.group_pos, spec.group_kw))
+        group = torch_patches.argument(args, kwargs, spec.group_pos, spec.group_kw)
+        axis, size = self.axis_of(group)
+        if axis == EP and spec.op != "all_to_all" and self._is_dp(group):
+            axis = DP  # ep = dp_shard: one set of ranks; FSDP2's gathers and reductions are data-parallel traffic
         nbytes = _nbytes(torch_patches.argument(args, kwargs, spec.tensor_pos, spec.tensor_kw))
         if spec.times_group_size:
             nbytes *= size
@@ -385,16 +396,3 @@ def axis_groups_from_mesh(mesh: Any, axes: Sequence[str] = _REGISTER_ORDER) -> d
             continue
         groups.setdefault(REPORTED_AXIS.get(axis, axis), []).append(group)
     return groups
-
-
-def register_ddp_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
-    """Route DDP's gradient all-reduce through ``torch.distributed.all_reduce`` so the tracker sees it.
-
-    Uses torch's ``allreduce_hook`` (divide by the group size, all-reduce, the same result as DDP's built-in
-    path). Returns False, and changes nothing, when the model already has a comm hook (DDP allows only one).
-    """
-    try:
-        ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
-    except RuntimeError:  # "register_comm_hook ... can only be called once"
-        return False
-    return True

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_dist._compat import functional_collectives_module
 
@@ -199,3 +200,16 @@ def uninstall() -> None:
     while _PATCHES:
         module, name, original = _PATCHES.pop()
         setattr(module, name, original)
+
+
+def register_ddp_comm_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Route DDP's gradient all-reduce through ``torch.distributed.all_reduce`` so the tracker sees it.
+
+    Uses torch's ``allreduce_hook`` (divide by the group size, all-reduce, the same result as DDP's built-in
+    path). Returns False, and changes nothing, when the model already has a comm hook (DDP allows only one).
+    """
+    try:
+        ddp_model.register_comm_hook(state=None, hook=allreduce_hook)
+    except RuntimeError:  # "register_comm_hook ... can only be called once"
+        return False
+    return True

@@ -37,6 +37,7 @@ from helpers import FAST, compose_config, losses, run_app
 from torch.overrides import TorchFunctionMode
 
 from lightning_dist.callbacks.preemption import _Agreement
+from lightning_dist.parallel.expert import ExpertDispatch
 from lightning_dist.run.launch import launch
 
 READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu")
@@ -52,7 +53,12 @@ LAYOUTS = {
     # DiLoCo's outer step after step 5 (not a quiet step: on CUDA it reads the averaged pseudo-gradient back into the
     # host backup, inherently); steps 6 and 7 check that nothing of it (its timing events) is read later
     "diloco": ["parallelism=diloco", "parallelism.diloco.every=5"],
+    # MoE blocks with their experts split over ep=2; the plain loop trains the same MoE GPT under FSDP2 (no ep)
+    "ep2": ["model=moe_tiny", "parallelism=ep"],
 }
+#: The one read expert parallelism needs: each MoE block's forward reads its all-to-all's split sizes (dropless
+#: routing: how many rows go to each rank is known on the device only). Counted apart, and exactly.
+SPLIT_SIZES = ExpertDispatch._dispatch_and_combine.__code__
 SETTINGS = [
     "logger=none",
     "trainer.enable_checkpointing=false",
@@ -111,6 +117,7 @@ class HostReads:
 
     def __init__(self) -> None:
         self.count = 0
+        self.split_sizes = 0  # reads by SPLIT_SIZES
         self.transfers = 0
         self.where: list[str] = []  # the first few callers, for the failure message
         self._active = False
@@ -128,7 +135,9 @@ class HostReads:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self._active:
                 caller = sys._getframe(1)
-                if caller.f_code not in ALLOWED:
+                if caller.f_code is SPLIT_SIZES:
+                    self.split_sizes += 1
+                elif caller.f_code not in ALLOWED:
                     self.count += 1
                     if len(self.where) < 20:
                         self.where.append(f"{name} from {caller.f_code.co_filename}:{caller.f_lineno}")
@@ -160,14 +169,16 @@ class CountSteps(pl.Callback):
     """The count between the ends of consecutive optimizer steps (everything Lightning and the callbacks did)."""
 
     def __init__(self, reads: HostReads) -> None:
-        self.reads, self.per_step, self.transfers, self.where, self._last = reads, {}, {}, {}, (0, 0)
+        self.reads, self.per_step, self.transfers, self.where, self._last = reads, {}, {}, {}, (0, 0, 0)
+        self.split_sizes: dict[int, int] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        step, (reads, transfers) = trainer.global_step, self._last
+        step, (reads, transfers, split_sizes) = trainer.global_step, self._last
         self.per_step[step] = self.reads.count - reads
         self.transfers[step] = self.reads.transfers - transfers
+        self.split_sizes[step] = self.reads.split_sizes - split_sizes
         self.where[step] = list(self.reads.where)
-        self._last = (self.reads.count, self.reads.transfers)
+        self._last = (self.reads.count, self.reads.transfers, self.reads.split_sizes)
         self.reads.where.clear()
 
 
@@ -177,7 +188,8 @@ def _library(cfg: Any, reads: HostReads) -> dict[str, Any]:
     counter = CountSteps(reads)
     with reads.counting():
         fit(cfg, callbacks=[counter])
-    return {"per_step": counter.per_step, "transfers": counter.transfers, "where": counter.where}
+    return {"per_step": counter.per_step, "transfers": counter.transfers, "where": counter.where,
+            "split_sizes": counter.split_sizes}  # fmt: skip
 
 
 def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
@@ -201,7 +213,7 @@ def _plain(layout: str, cfg: Any, reads: HostReads) -> dict[str, Any]:
     context = torch.enable_grad
     if layout == "ddp":
         model = DistributedDataParallel(model)
-    elif layout == "fsdp2":
+    elif layout in ("fsdp2", "ep2"):
         mesh = init_device_mesh("cpu", (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
@@ -291,6 +303,14 @@ def test_a_step_that_does_not_log_moves_no_more_host_data_to_the_device_than_a_p
             f"rank {rank}, {layout}: host-to-device transfers per step {ours} vs the plain loop's {theirs}; in step "
             f"{QUIET_STEPS[-1]}: {library['where'][QUIET_STEPS[-1]]}"
         )
+
+
+def test_expert_parallelism_reads_its_split_sizes_once_per_moe_block_forward(counts: list[dict[str, Any]]) -> None:
+    """The one read ep adds, counted: moe_tiny's 2 MoE blocks, one forward each per step (no accumulation, no
+    activation checkpointing); ``_dispatch_and_combine`` reading once more (a count read apart) fails it."""
+    for rank, result in enumerate(counts):
+        split_sizes = result["ep2"]["library"]["split_sizes"]
+        assert {step: split_sizes[step] for step in QUIET_STEPS} == dict.fromkeys(QUIET_STEPS, 2), (rank, split_sizes)
 
 
 def test_logging_steps_are_counted(counts: list[dict[str, Any]]) -> None:

@@ -176,3 +176,33 @@ def test_the_adapter_is_pushed_to_the_hub_with_a_model_card_from_the_run_s_repor
     assert "| LoRA | rank 4, alpha 8" in card and f"| layout | {report['layout']} |" in card
     for record in report["history"]:  # the loss curve, every step of this short run
         assert f"| {int(record['step'])} | {record['train/loss']:.4f} |" in card
+
+
+def test_lora_under_bf16_true_keeps_float32_adapters_on_the_frozen_bf16_base(pretrained: Path, tmp_path: Path) -> None:
+    """cluster.precision=bf16-true: the base in bf16, frozen; the adapters float32 (peft's own default), so AdamW's
+    updates at a LoRA learning rate are not rounded away (bf16 adapters at lr 2e-4: 62% of A's entries never moved from
+    step 2 to 4); fsdp2 (bf16 base and float32 adapters in one FSDP unit) gives one process's losses and adapters."""
+    bf16 = ["cluster.precision=bf16-true", "optim.lr=2e-4", "optim.warmup_steps=0"]
+    common = [
+        *(o for o in HF_COMMON if not o.startswith("checkpoint.save_hf")),
+        f"model.pretrained={pretrained}",
+        *bf16,
+    ]
+    one = run_app([*common, *LAYOUTS["one"]], tmp_path / "one")
+    fsdp2 = run_app([*common, *LAYOUTS["fsdp2"]], tmp_path / "fsdp2")
+    np.testing.assert_allclose(losses(fsdp2), losses(one), rtol=1e-3)  # bf16 matmuls: one rounding is 3.9e-3
+    assert len(losses(one)) == STEPS
+    names = _checkpoint(one).names
+    adapters, base = [n for n in names if ".lora_" in n], [n for n in names if ".lora_" not in n]
+    trained, before = _checkpoint(one).read(adapters), _checkpoint(one, 2).read(adapters)
+    assert {t.dtype for t in trained.values()} == {torch.float32}
+    for name, tensor in _checkpoint(fsdp2).read(adapters).items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, trained[name], rtol=1e-3, atol=1e-5, msg=name)
+    for name in adapters:  # every entry of every adapter moved from step 2 to step 4
+        assert (trained[name] != before[name]).all(), name
+    saved = load_file(pretrained / "model.safetensors")
+    for name, tensor in _checkpoint(fsdp2).read(base).items():  # frozen: the pretrained weights in bf16
+        own = name.removeprefix("model.").replace(".base_layer", "")
+        assert tensor.dtype == torch.bfloat16
+        torch.testing.assert_close(tensor, saved[own].to(torch.bfloat16), rtol=0, atol=0)

@@ -53,6 +53,17 @@ def test_a_huggingface_model_under_tensor_parallelism_writes_a_folder_transforme
     _check(run, tmp_path)
 
 
+def test_an_hf_moe_family_with_its_experts_split_over_ep_writes_a_folder_transformers_loads(tmp_path: Path) -> None:
+    """Mixtral's stacked experts, each rank holding half of them (ep2), written under transformers' own names."""
+    from support.hf_tiny import tiny_config
+
+    tiny_config("mixtral").save_pretrained(tmp_path / "config")
+    common = [o for o in FAST if not o.startswith("model.")]
+    run = run_app([*common, *SAVING, "model=hf", f"model.config={tmp_path / 'config'}", "parallelism=ep",
+                   "cluster.devices=2"], tmp_path / "run")  # fmt: skip
+    _check(run, tmp_path)
+
+
 def test_a_model_without_huggingface_names_is_refused_before_launch() -> None:
     from helpers import compose_config
 

@@ -94,12 +94,35 @@ def _timing_rank() -> dict[bool, dict[str, float]]:
             "timed_calls": stats.timed_count,
             "seconds": stats.seconds,
         }
+    results["ep=dp_shard"] = _ep_on_dp_ranks()
     dist.destroy_process_group()
     return results
 
 
-def test_an_untimed_collective_is_counted_but_not_waited_for() -> None:
-    untimed, timed = launch(_timing_rank, 2)[0].values()  # rank 0 waits LATE for rank 1 in the collective
+def _ep_on_dp_ranks() -> set[tuple[str, str]]:
+    """ep = dp_shard = 2: the experts' all-to-all and FSDP2's all-gather on one set of ranks (torch's groups for the
+    ``ep``, ``dp_shard`` and ``dp`` axes), each under its own axis."""
+    dims = ParallelDims(2, dp_shard=2, ep=2)
+    dims.build_mesh("cpu")
+    tracker = CommTracker(axis_groups_from_mesh(dims.mesh), timing=False)
+    with tracker:
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), group=dims.group("ep"))
+        for axis in ("ep", "dp_shard", "dp"):  # FSDP2 gathers over the dp_shard mesh, whichever object holds it
+            dist.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=dims.group(axis))
+    return set(tracker.snapshot())
+
+
+@pytest.fixture(scope="module")
+def timing_rank() -> dict[Any, Any]:
+    return launch(_timing_rank, 2)[0]
+
+
+def test_ep_on_the_data_parallel_ranks_reports_its_all_to_alls_under_ep_and_the_rest_under_dp(timing_rank) -> None:
+    assert timing_rank["ep=dp_shard"] == {("ep", "all_to_all"), ("dp", "all_gather")}
+
+
+def test_an_untimed_collective_is_counted_but_not_waited_for(timing_rank) -> None:
+    untimed, timed = timing_rank[False], timing_rank[True]  # rank 0 waits LATE for rank 1 in the collective
     assert untimed["calls"] == timed["calls"] == 1 and untimed["bytes"] == timed["bytes"] == 4 * 4
     # Untimed: async_op returns at once (the overlap with compute is kept) and no time is recorded.
     assert untimed["returned_after"] < LATE / 3

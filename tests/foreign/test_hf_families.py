@@ -7,7 +7,9 @@
 - The layouts that exercise what families add, on 2 ranks against one process: Gemma2's logit soft-capping,
   embedding scale and sliding windows, Gemma3's per-layer attention types, Granite's multipliers, a Mistral window
   below the sequence, OLMo's final norm without parameters, the TP styles of Qwen3 (per-head norms), Phi3 (fused
-  projections) and OLMo2 (full-width norms), GPT-NeoX under FSDP2 without a pipeline spec.
+  projections) and OLMo2 (full-width norms), GPT-NeoX under FSDP2 without a pipeline spec; the MoE families' own
+  experts split over ep (Mixtral, Qwen3-MoE), Qwen3-MoE's router (a tuple of outputs) and dense-layer plan entries
+  under tp, Qwen2-MoE's one-row shared-expert gate sharded unevenly by FSDP2.
 - What the matrix refuses is one line before launch, and so are an attention implementation a family lacks and a
   bad ``parallelism.tp_plan``.
 """
@@ -32,7 +34,8 @@ HF_FAST = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
 
 #: (family, layout) pairs run here on every test run; the whole matrix is `hf_matrix.py`'s (about 15 minutes).
 CURATED = [("gemma2", "pp2"), ("gemma2", "tp2"), ("gemma3_text", "pp2"), ("granite", "pp2"), ("mistral", "pp2"),
-           ("olmo", "pp2"), ("qwen3", "tp2"), ("phi3", "tp2"), ("olmo2", "tp2"), ("gpt_neox", "fsdp2")]  # fmt: skip
+           ("olmo", "pp2"), ("qwen3", "tp2"), ("phi3", "tp2"), ("olmo2", "tp2"), ("gpt_neox", "fsdp2"),
+           ("mixtral", "ep2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "tp2"), ("qwen2_moe", "fsdp2")]  # fmt: skip
 
 
 def test_the_matrix_lists_every_family_of_the_installed_transformers() -> None:
@@ -98,14 +101,42 @@ def _config_dir(family: str, folder: Path) -> str:
     [
         ("stablelm", "parallelism=tp", r"parallelism.tp=2 with model=hf 'stablelm': not exact for this family .*tp2:"),
         ("gemma2", "parallelism=fsdp", r"model.attn_implementation=sdpa: Gemma2ForCausalLM does not support it"),
+        (
+            "llama",
+            "parallelism=ep",
+            r"parallelism.ep=2 with model=hf 'llama': .*ep2: ValueError: ep=2 but the family has",
+        ),
+        ("mixtral", "parallelism.ep=3", r"parallelism.ep=3 does not divide the 4 experts of model=hf 'mixtral'"),
     ],
 )
 def test_a_refused_family_layout_is_one_line_before_launch(family: str, layout: str, message: str, tmp_path: Path):
     overrides = [*HF_FAST, f"model.config={_config_dir(family, tmp_path / 'config')}", layout]
+    if layout == "parallelism.ep=3":
+        overrides += ["parallelism=ep", "cluster.devices=3", "data.global_batch_size=6"]
     if family == "gemma2":
         overrides.append("model.attn_implementation=sdpa")
     with pytest.raises(ValueError, match=message):
         validate(compose_config(overrides))
+
+
+def test_a_strategy_given_hf_causal_lm_directly_checks_ep_against_the_matrix() -> None:
+    """Without the app's config check (a user's own Trainer and MeshStrategy(ep=2)), the module refuses ep for a
+    family the matrix does not vouch for, before anything is sharded."""
+    from lightning_dist.models.hf import HFCausalLM
+    from lightning_dist.strategies.mesh import declared_ep_spec
+
+    with pytest.raises(ValueError, match=r"parallelism.ep=2 with model=hf 'llama': not exact .*ep2: ValueError: ep=2"):
+        declared_ep_spec(HFCausalLM(tiny_config("llama")), 2)
+
+
+def test_an_moe_config_asking_for_transformers_router_loss_is_refused(tmp_path: Path) -> None:
+    """transformers adds its router auxiliary loss with ``output_router_logits``; lightning-dist trains the
+    cross-entropy only, so such a config stops in one line instead of training without the loss it asked for."""
+    config = tiny_config("mixtral")
+    config.output_router_logits = True
+    config.save_pretrained(tmp_path / "config")
+    with pytest.raises(ValueError, match=r"'mixtral' has output_router_logits=true: .* set output_router_logits=false"):
+        validate(compose_config([*HF_FAST, f"model.config={tmp_path / 'config'}"]))
 
 
 def test_a_family_the_matrix_does_not_list_is_refused_unless_asked(tmp_path: Path, monkeypatch) -> None:
@@ -159,6 +190,6 @@ def test_an_moe_saved_expert_by_expert_starts_every_layout_from_its_weights(tmp_
     inputs, targets = _batches()
     with torch.no_grad():
         want = float(token_loss(reference(input_ids=inputs[:4], use_cache=False).logits, targets[:4]))
-    ranks = launch(_first_losses, 2, str(tmp_path), ["fsdp2", "pp2"])[0]
-    assert ranks["fsdp2"] == pytest.approx(want, rel=RTOL) and ranks["pp2"] == pytest.approx(want, rel=RTOL)
+    ranks = launch(_first_losses, 2, str(tmp_path), ["fsdp2", "pp2", "ep2"])[0]  # ep2: each rank reads its experts
+    assert all(ranks[layout] == pytest.approx(want, rel=RTOL) for layout in ("fsdp2", "pp2", "ep2")), (ranks, want)
     validate(compose_config([*HF_FAST, f"model.pretrained={tmp_path}", "parallelism=fsdp"]))  # names, before launch

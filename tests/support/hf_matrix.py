@@ -41,6 +41,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "tp2": {"tp": 2, "dp_shard": 1},
     "pp2": {"pp": 2, "dp_shard": 1},
     "cp2": {"cp": 2, "dp_shard": 1},
+    "ep2": {"ep": 2, "dp_shard": 2},  # run for MoE families only (moe_layouts); the rest get their one-line refusal
 }
 #: One-process checks: the meta-device build, the first loss from saved weights, the chunked loss (loss_chunks=4).
 SINGLE = ("init", "pretrained", "chunked")
@@ -68,10 +69,11 @@ def fit_losses(
     callbacks: tuple = (),
     loss_chunks: int = 0,
     windowless: bool = False,
+    devices: int = 2,
     **module_kwargs: Any,
 ) -> Any:
     """The losses of ``STEPS`` steps of ``HFCausalLM(tiny config)`` on one process (``layout=None``) or on this
-    rank of 2 under ``MeshStrategy(**layout)`` (collectives time out after 2 minutes)."""
+    rank of ``devices`` under ``MeshStrategy(**layout)`` (collectives time out after 2 minutes)."""
     from datetime import timedelta
 
     import lightning.pytorch as pl
@@ -91,7 +93,9 @@ def fit_losses(
     module = HFCausalLM(tiny_config(model_type, windowless), lr=1e-2, **module_kwargs)
     module.set_loss_chunks(loss_chunks)
     per_rank = BATCH // (layout or {}).get("dp_shard", 1)
-    strategy, devices = ("auto", 1) if layout is None else (MeshStrategy(**layout, timeout=timedelta(minutes=2)), 2)
+    strategy, devices = (
+        ("auto", 1) if layout is None else (MeshStrategy(**layout, timeout=timedelta(minutes=2)), devices)
+    )
     trainer = quiet_trainer(strategy, devices, STEPS, callbacks=[Record(), *callbacks])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -216,26 +220,68 @@ def _window_refused(cell: str) -> bool:
     return "with sliding_window=" in cell
 
 
+def has_experts(model_type: str) -> bool:
+    """Whether the family's tiny model has experts expert parallelism takes (built on the meta device)."""
+    import torch
+    from hf_tiny import tiny_config
+
+    from lightning_dist.models.hf_experts import hf_expert_parallel_spec
+    from lightning_dist.models.hf_init import build_causal_lm
+
+    with torch.device("meta"):
+        try:
+            return hf_expert_parallel_spec(build_causal_lm(tiny_config(model_type))) is not None
+        except Exception:  # a family that cannot be built has its reason in every other cell
+            return False
+
+
+#: The ep2 cell of a family without experts of the stacked interface (``hf_experts.py``).
+NO_EXPERTS = "ValueError: ep=2 but the family has no MoE experts of the stacked interface (hf_experts.py)"
+
+
 def family_row(model_type: str, one: dict[str, Any]) -> dict[str, Any]:
     """One family's layouts against its one-process checks ``one``, in processes of their own: the two-rank layouts
     in one launch, and where one fails (a rank's error ends the launch; a hang, its timeout), each layout again in a
-    launch of its own."""
+    launch of its own. ``ep2`` runs for families with experts only."""
     from lightning_dist.run.launch import RankFailedError, launch
 
+    names = [name for name in LAYOUTS if name != "ep2" or has_experts(model_type)]
     try:
-        found = launch(_layouts, 2, model_type, list(LAYOUTS))[0]
+        found = launch(_layouts, 2, model_type, names)[0]
     except RankFailedError:
         found = {}
-        for name in LAYOUTS:
+        for name in names:
             try:
                 found[name] = launch(_layouts, 2, model_type, [name])[0][name]
             except RankFailedError as err:
                 found[name] = str(err).split(": ", 1)[-1][:200]  # "rank 1: <its one line>"
+    found.setdefault("ep2", NO_EXPERTS)
     row = {**{column: one[column] for column in SINGLE},
            **{name: verdict(found[name], one["reference"]) for name in LAYOUTS}}  # fmt: skip
     if _window_refused(row["cp2"]):
         row["cp2"] = windowless_cp(model_type) or row["cp2"]
     return row
+
+
+def _reference(model_type: str) -> Any:
+    import torch
+
+    torch.set_num_threads(1)
+    return _losses_or_line(model_type, None)
+
+
+def redo_layouts(families: list[str]) -> dict[str, Any]:
+    """The layout cells of ``families`` again (the one-process cells kept from the committed matrix), printed as each
+    family ends: after a change that can only touch the layouts (a new axis, a sharding fix)."""
+    from lightning_dist.run.launch import launch
+
+    matrix = json.loads(JSON_PATH.read_text())
+    for mt in families:
+        row = matrix["families"][mt]
+        one = {**{column: row[column] for column in SINGLE}, "reference": launch(_reference, 1, mt)[0]}
+        row.update(family_row(mt, one))
+        print(mt, {k: v if v == "exact" else v[:70] for k, v in row.items()}, flush=True)
+    return matrix
 
 
 def verdict(losses: Any, reference: Any) -> str:
@@ -299,7 +345,9 @@ def markdown(matrix: dict[str, Any]) -> str:
         "that is not `exact` says why, and that family is refused under that layout before launch (one line; "
         "`model.allow_untested_family=true` runs a family this table does not list). `cp2` runs a tiny config with "
         "sliding windows with its windows off: a config with a window is refused under cp by its own one-line check "
-        "(the cp attention is full causal attention), whatever the family.",
+        "(the cp attention is full causal attention), whatever the family. `ep2` runs the MoE families whose experts "
+        "have transformers' stacked interface (`models/hf_experts.py`) with their experts split over 2 ranks; the "
+        "others are refused under `parallelism.ep`.",
         "",
         "| family | class | " + " | ".join(COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
@@ -325,6 +373,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write the JSON and the docs page")
     parser.add_argument("--one-process-only", action="store_true", help="redo the one-process columns only")
     parser.add_argument("--windowless-cp", action="store_true", help="redo the cp2 cells a sliding window refused")
+    parser.add_argument("--layouts", action="store_true", help="redo the layout cells only (one-process cells kept)")
     args = parser.parse_args()
     families = args.families or decoder_families()
     if args.windowless_cp:
@@ -334,6 +383,8 @@ def main() -> None:
             if _window_refused(row["cp2"]):
                 row["cp2"] = windowless_cp(mt) or row["cp2"]
                 print(mt, row["cp2"][:100], flush=True)
+    elif args.layouts:
+        matrix = redo_layouts(families)
     else:
         matrix = build_matrix(families, args.one_process_only)
     if args.write:

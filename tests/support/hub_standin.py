@@ -1,10 +1,13 @@
 """A local stand-in for the HuggingFace hub's HTTP API, file-backed, for tests without network.
 
 Serves the paths ``huggingface_hub`` calls to download (``GET /api/{models,datasets}/<repo>/revision/<rev>`` and
-``.../tree/<rev>``, ``HEAD`` / ``GET /[datasets/]<repo>/resolve/<rev>/<file>``) from folders the test registers, and
-takes uploads (``POST /api/repos/create``, ``/api/validate-yaml``, ``/preupload/``, ``/commit/``: each file inline).
-Every request is recorded with its ``Authorization`` header and every upload with its files, so a test can check what
-was fetched, how often, with which token, and what was pushed. Point huggingface_hub at it with ``HF_ENDPOINT=<url>``
+``.../tree/<rev>``, ``HEAD`` / ``GET /[datasets/]<repo>/resolve/<rev>/<file>``) from folders the test registers, those
+its ``HfFileSystem`` calls to stream one (``datasets.load_dataset(<id>, streaming=True)``: ``.../tree/<rev>/<path>``
+with or without ``recursive``, files and folders; ``POST .../paths-info/<rev>``; ``GET .../resolve/...`` with a
+``Range`` header, answered 206 with that byte range), and takes uploads (``POST /api/repos/create``,
+``/api/validate-yaml``, ``/preupload/``, ``/commit/``: each file inline). Every request is recorded with its
+``Authorization`` and ``Range`` headers and every upload with its files, so a test can check what was fetched, how
+often, with which token, and what was pushed. Point huggingface_hub at it with ``HF_ENDPOINT=<url>``
 (our code reads it at call time).
 """
 
@@ -18,7 +21,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 SHA = "0123456789abcdef0123456789abcdef01234567"  # the one commit every repo is at
 
@@ -59,7 +62,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self) -> None:
         self.hub.requests.append({"method": self.command, "path": unquote(self.path.split("?")[0]),
-                                  "authorization": self.headers.get("Authorization")})  # fmt: skip
+                                  "authorization": self.headers.get("Authorization"),
+                                  "range": self.headers.get("Range")})  # fmt: skip
 
     def do_HEAD(self) -> None:
         self._record()
@@ -82,6 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
             )  # huggingface_hub 0.x / 1+
             self.hub.uploads.append({"create": repo_id, "private": private})
             return self._send(200, json.dumps({"url": f"{self.hub.url}/{repo_id}"}).encode(), {})
+        if "/paths-info/" in path:  # HfFileSystem.info: form fields paths=<p>&paths=<q>
+            return self._paths_info(path, parse_qs(body.decode()).get("paths", []))
         if path == "/api/validate-yaml":  # a README.md's metadata block, checked before the commit
             return self._send(200, b'{"errors": [], "warnings": []}', {"Content-Type": "application/json"})
         if "/preupload/" in path:
@@ -138,20 +144,35 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
     def _info(self, path: str) -> None:
-        parts = path.split("/")[2:]  # models|datasets, org, name, revision, <rev>
+        parts = path.split("/")[2:]  # models|datasets, org, name, revision|tree, <rev>[, <path in repo>...]
         kind = {"models": "model", "datasets": "dataset"}.get(parts[0])
         found = self._repo(parts[1:], kind) if kind else None
         if found is None:
             return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
         repo_id, folder = found
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
-        if "tree" in parts:  # /api/<kind>s/<repo>/tree/<rev>[/<path>]?recursive=...: every file, recursively
-            body: Any = [{"type": "file", "path": str(f.relative_to(folder)), "size": f.stat().st_size,
-                          "oid": hashlib.sha1(f.read_bytes()).hexdigest()} for f in files]  # fmt: skip
+        rest = parts[1 + len(repo_id.split("/")) :]
+        if rest and rest[0] == "tree":  # /api/<kind>s/<repo>/tree/<rev>[/<path>]?recursive=...
+            recursive = parse_qs(self.path.partition("?")[2]).get("recursive", ["False"])[0].lower() == "true"
+            at = folder.joinpath(*rest[2:])
+            if not at.is_dir():
+                return self._send(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound"})
+            entries = sorted(at.rglob("*") if recursive else at.iterdir())
+            body: Any = [_entry(folder, p) for p in entries]
         else:
+            files = sorted(p for p in folder.rglob("*") if p.is_file())
             siblings = [{"rfilename": str(f.relative_to(folder))} for f in files]
             body = {"id": repo_id, "sha": SHA, "siblings": siblings, "private": False}
         self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _paths_info(self, path: str, paths: list[str]) -> None:
+        """``POST /api/<kind>s/<repo>/paths-info/<rev>``: the entries of those of ``paths`` that exist."""
+        parts = path.split("/")[2:]
+        kind = {"models": "model", "datasets": "dataset"}.get(parts[0])
+        found = self._repo(parts[1:], kind) if kind else None
+        if found is None:
+            return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+        entries = [_entry(found[1], found[1] / p) for p in paths if (found[1] / p).exists()]
+        self._send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
 
     def _file(self, body: bool) -> None:
         parts = unquote(self.path.split("?")[0]).strip("/").split("/")
@@ -165,8 +186,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not file.is_file():
             return self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"})
         data = file.read_bytes()
-        headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                   "Content-Length": str(len(data))}  # fmt: skip
+        headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
+        asked = self.headers.get("Range")
+        if asked:  # bytes=<start>-[<end>] (inclusive), as HfFileSystem's reads ask
+            start, _, end = asked.removeprefix("bytes=").partition("-")
+            first, last = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
+            if first >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+            part = data[first : last + 1]
+            headers.update({"Content-Range": f"bytes {first}-{last}/{len(data)}", "Content-Length": str(len(part))})
+            return self._send(206, part if body else None, headers, length=len(part))
+        headers["Content-Length"] = str(len(data))
         self._send(200, data if body else None, headers, length=len(data))
 
     def _send(self, code: int, data: bytes | None, headers: dict[str, str], length: int | None = None) -> None:
@@ -178,3 +208,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if data is not None and self.command != "HEAD":
             self.wfile.write(data)
+
+
+def _entry(folder: Path, path: Path) -> dict[str, Any]:
+    """A tree / paths-info entry of ``path`` (a file or a folder of the repo served from ``folder``)."""
+    name = str(path.relative_to(folder))
+    if path.is_dir():
+        return {"type": "directory", "path": name, "oid": hashlib.sha1(name.encode()).hexdigest()}
+    return {
+        "type": "file",
+        "path": name,
+        "size": path.stat().st_size,
+        "oid": hashlib.sha1(path.read_bytes()).hexdigest(),
+    }

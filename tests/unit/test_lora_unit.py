@@ -136,3 +136,24 @@ def test_the_planner_counts_gradients_and_optimizer_state_for_the_adapters_only(
         adapters = 4 * lora_block_params(tuned, tp) // dp_shard
         assert lora.optimizer == 8 * adapters < full.optimizer / 5
         assert lora.grads == 4 * adapters and lora.params == 4 * (local + adapters)
+
+
+def test_adapters_stay_float32_on_a_bf16_base_through_the_precision_s_conversion() -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as bf16-true's init context builds the model
+    try:
+        module = _gpt(LoraConfig(rank=4), meta=True)
+    finally:
+        torch.set_default_dtype(previous)
+    kinds = {(".lora_" in name, p.dtype, p.requires_grad) for name, p in module.named_parameters()}
+    assert kinds == {(True, torch.float32, True), (False, torch.bfloat16, False)}
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    module.to(dtype=torch.bfloat16)  # Lightning's HalfPrecision.convert_module; then a move
+    module.to("cpu", torch.bfloat16)
+    assert {(".lora_" in n, p.dtype) for n, p in module.named_parameters()} == {
+        (True, torch.float32),
+        (False, torch.bfloat16),
+    }
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())  # no round trip through bf16
+    module.to(torch.float64)  # 64-true converts everything
+    assert {p.dtype for p in module.parameters()} == {torch.float64}

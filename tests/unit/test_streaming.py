@@ -35,16 +35,27 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[str]], ob
 
 
 def _windows(setup, rank: int = 0, world: int = 1, state: dict | None = None, take: int | None = None):
+    """This rank's first ``take`` windows (from ``state``), or (``take=None``) those of the first pass over the
+    sources (the stream has no end: the window that holds the first pass's end and the second's start is left out)."""
     files, tokenizer, data = setup
     dataset = StreamedWindows(streamed_mixture(files, [1, 3], seed=7), tokenizer, data, rank, world)
     if state is not None:
         dataset.load_state_dict(state)
     out = []
     for inputs, targets in dataset:
+        if take is None and dataset.state_dict()["pass"] > 0:
+            break
         out.append(inputs.tolist() + targets[-1:].tolist())
         if take is not None and len(out) == take:
             break
     return out, dataset.state_dict()
+
+
+def _one_pass_tokens(setup) -> list[int]:
+    """The tokens of one pass over the mixture: its records in datasets' order, each tokenized with an EOS after."""
+    files, tokenizer, _ = setup
+    records = list(streamed_mixture(files, [1, 3], seed=7))
+    return [t for r in records for t in [*tokenizer(r["text"])["input_ids"], tokenizer.eos_token_id]]
 
 
 def test_the_mixture_draws_by_weight_and_packs_every_token(setup) -> None:
@@ -63,6 +74,27 @@ def test_a_resume_continues_the_stream_exactly(setup, stop: int) -> None:
     first, state = _windows(setup, take=stop)
     rest, _ = _windows(setup, state=json.loads(json.dumps(state)))  # the state survives a checkpoint's round trip
     assert first + rest == whole and len(whole) > stop
+
+
+def test_the_stream_starts_a_second_pass_whose_windows_continue_the_tokens_and_resume_exactly(setup) -> None:
+    tokens = _one_pass_tokens(setup)
+    per_pass = len(tokens) // 16
+    many = 2 * per_pass + 5  # into the third pass
+    windows, state = _windows(setup, take=many)
+    assert [t for w in windows for t in w] == (tokens * 3)[: 16 * many]  # pass after pass, tokens carried over
+    assert state["pass"] == 2
+    stop = per_pass + 3  # a position in the second pass
+    first, state = _windows(setup, take=stop)
+    assert state["pass"] == 1
+    rest, _ = _windows(setup, state=json.loads(json.dumps(state)), take=many - stop)
+    assert first + rest == windows
+    files, tokenizer, data = setup  # under two ranks: the state before a second-pass window, resumed on one
+    dataset = StreamedWindows(streamed_mixture(files, [1, 3], seed=7), tokenizer, data, 1, 2)
+    taken = [w for _, w in zip(range(per_pass // 2 + 4), dataset)]
+    boundary = 2 * (per_pass // 2 + 2)
+    assert len(taken) == per_pass // 2 + 4 and dataset.state_at(boundary)["pass"] == 1
+    rest, _ = _windows(setup, state=json.loads(json.dumps(dataset.state_at(boundary))), take=many - boundary)
+    assert rest == windows[boundary:]
 
 
 def test_the_ranks_windows_together_are_one_process_s_and_resume_under_another_world_size(setup) -> None:
@@ -129,3 +161,38 @@ def test_the_datamodule_streams_train_and_validates_on_data_val_path_or_not_at_a
     assert state["stream"]["window"] == 0
     val = replace(cfg, val_path=files[0][0], cache_dir=str(tmp_path / "cache"), num_proc=1)
     assert len(TokenDataModule(val).val_dataloader().dataset) > 0  # data.val_path: cached windows, as usual
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.max_steps=-1", "+trainer.max_epochs=2"], r"^trainer.max_steps=-1 with data.streaming=true: a stream "
+         r"has no epochs .* set trainer.max_steps=<n>"),
+        (["data.val_path=v.jsonl", "trainer.val_check_interval=0.5"], r"^trainer.val_check_interval=0.5 is a fraction "
+         r"of an epoch, .* give a count of steps"),
+    ],
+)  # fmt: skip
+def test_a_stream_s_run_is_bounded_by_steps(overrides: list[str], message: str) -> None:
+    from helpers import FAST, compose_config
+
+    from lightning_dist.config.run_rules import check_run_fields
+
+    cfg = compose_config([*FAST, *STREAMING, "data.path=a.jsonl", *overrides])
+    with pytest.raises(ValueError, match=message):
+        check_run_fields(cfg)
+
+
+def test_sources_without_records_stop_with_one_line_rather_than_loop(setup) -> None:
+    class Empty:  # a stream of no records (datasets' own loaders refuse an empty file before this)
+        def __iter__(self):
+            return iter(())
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    _, tokenizer, data = setup
+    with pytest.raises(ValueError, match=r"^data.path: the streamed sources hold no records; point data.path at"):
+        next(iter(StreamedWindows(Empty(), tokenizer, data)))
