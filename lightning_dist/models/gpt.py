@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from lightning_dist.models.gpt_config import ARCHS, GPTConfig, MoEConfig
 from lightning_dist.models.moe import MoE
+from lightning_dist.models.whole import copy_whole
 
 __all__ = ["ARCHS", "GPT", "GPTConfig", "MoEConfig"]
 
@@ -323,7 +324,7 @@ class GPT(nn.Module):
                 # One string hashed: the CPU generator keeps only 32 bits of its seed.
                 generator.manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
                 value = torch.nn.init.normal_(torch.empty(param.shape, device="cpu"), 0.0, std, generator=generator)
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
+            copy_whole(param, value)
 
     def forward(self, x: Tensor, *, logits: bool = True) -> Tensor:
         """Run the (remaining) model.

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dist import _compat
+from lightning_dist.models.whole import copy_whole
 
 
 def causal_lm_class(config: Any) -> type[nn.Module]:
@@ -102,12 +102,8 @@ def init_causal_lm(model: nn.Module, seed: int, random: bool = True) -> None:
                     "(transformers), so a model built on the meta device cannot be given its values; pass the built "
                     "model to HFCausalLM instead of its config (its values are then kept)."
                 )
-            elif isinstance(real, DTensor):  # this rank's slice of the whole, cut here: no collective, and an uneven
-                # shard (a (1, C) gate over 2 ranks) is copied as it lies, which DTensor's copy_ refuses
-                local = distribute_tensor(value.to(real.dtype), real.device_mesh, real.placements, src_data_rank=None)
-                real.to_local().copy_(local.to_local())
             else:
-                real.copy_(value.to(device=real.device, dtype=real.dtype))
+                copy_whole(real, value)
 
 
 def _units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:

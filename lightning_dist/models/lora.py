@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dist.models.lora_config import LoraConfig
+from lightning_dist.models.whole import copy_whole
 
 ADAPTER = "default"  #: peft's adapter name (a single adapter per model)
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -169,7 +170,7 @@ def init_lora(model: nn.Module, seed: int) -> None:
             value = torch.empty(tuple(param.shape), device="cpu")
             bound = _kaiming_uniform_bound(value, a=math.sqrt(5))
             value.uniform_(-bound, bound, generator=generator)
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
+            copy_whole(param, value)
 
 
 def _kaiming_uniform_bound(tensor: Tensor, a: float) -> float:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 
 def apply_fsdp(
@@ -23,6 +24,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     reduce_dtype: torch.dtype | None = None,
+    shard_dim: int = 0,
 ) -> None:
     """Wrap each of ``units`` (transformer blocks), then each of ``roots`` (what owns the rest), with FSDP2.
 
@@ -43,12 +45,16 @@ def apply_fsdp(
             parameters' own.
         cpu_offload: Keep the sharded parameters, their gradients and so the optimizer state in host memory; FSDP2
             copies a unit to the device for its all-gather (pinned memory where CUDA is available).
+        shard_dim: The dim each parameter is sharded on (FSDP2's ``shard_placement_fn``): 0, or 1 for stacked experts
+            fewer than the ranks sharding them (dim 0 would leave ranks without any).
     """
     if reduce_dtype is None and param_dtype is not None:
         reduce_dtype = torch.float32  # low-precision compute, full-precision gradient sums
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    options = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    options: dict = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    if shard_dim:
+        options["shard_placement_fn"] = lambda param: Shard(shard_dim)
     units = list(units)
     for index, unit in enumerate(units):
         # The last block is the first one backward needs: resharding it after forward would only all-gather it

@@ -275,5 +275,9 @@ def apply_expert_fsdp(module: nn.Module, spec: ExpertParallelSpec, dims: Paralle
     """
     found = spec.modules(module)
     axes = dims.expert_fsdp_mesh_axes
-    apply_fsdp(found.values(), (), dims.mesh[axes if len(axes) > 1 else axes[0]], **fsdp_kwargs)
+    mesh = dims.mesh[axes if len(axes) > 1 else axes[0]]
+    # Fewer local experts than ranks sharding them (Mixtral's 8 over ep2 x efsdp 8): dim 0 would leave most ranks
+    # none (FSDP2 pads it), so each expert is sharded along its rows instead, as torchtitan does.
+    shard_dim = 1 if mesh.size() > spec.num_experts // dims.ep else 0
+    apply_fsdp(found.values(), (), mesh, shard_dim=shard_dim, **fsdp_kwargs)
     return list(found)

@@ -12,7 +12,8 @@ experts (one SwiGLU of ``shared_experts x F``). On a rank (:mod:`lightning_dist.
 - the *routed experts* are split over ``ep`` (``E / ep`` consecutive experts per rank), whole on every ``tp`` rank,
   and FSDP2-sharded over the ranks holding the same experts, ``efsdp x cp`` (``efsdp = dp_shard / ep``); FSDP2 pads
   dim 0 (the local experts) to a multiple of that, so a rank holds ``ceil((E / ep) / (efsdp cp))`` experts' rows at
-  most (the count here: the largest rank's).
+  most (the count here: the largest rank's); with fewer local experts than those ranks each expert is sharded along
+  its rows instead (``parallel/expert.py``: dim 1, ``F`` rows of gate / up, ``C`` of down, each padded).
 
 Gradients and AdamW moments follow the parameters (fp32 each, as :mod:`lightning_dist.plan.memory` counts them).
 
@@ -70,7 +71,11 @@ def expert_shard(cfg: GPTConfig, ep: int, dp_shard: int, cp: int) -> int:
         return 0
     local = cfg.moe.num_experts // ep
     shard = dp_shard // ep * cp
-    return math.ceil(local / shard) * expert_params(cfg) // cfg.moe.num_experts
+    if local >= shard:
+        return math.ceil(local / shard) * expert_params(cfg) // cfg.moe.num_experts
+    # fewer local experts than ranks: sharded along their rows (gate / up: F of them, down: C), padded to ``shard``
+    hidden, width = cfg.expert_hidden, cfg.d_model
+    return local * (2 * math.ceil(hidden / shard) * width + math.ceil(width / shard) * hidden)
 
 
 def active_block_params(cfg: GPTConfig, index: int, dense_block: int) -> int:

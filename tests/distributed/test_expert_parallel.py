@@ -38,6 +38,9 @@ MOE = MoEConfig(num_experts=4, top_k=2, hidden=32, shared_experts=1, balance_rat
 MODEL = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=SEQ, moe=MOE)
 # cp splits a sequence, which the sequence-wise balance loss needs whole (refused): the z-loss and the bias only
 MODEL_CP = replace(MODEL, moe=replace(MOE, aux_loss_coef=0.0))
+# 2 experts, 1 per token: under ep2 x FSDP2 over 4 ranks each rank holds 1 expert sharded over 2 ranks (FSDP2 shards
+# each expert along its rows then, as sharding the single expert's dim 0 would leave one of the 2 ranks nothing)
+MODEL_2E = replace(MODEL, moe=replace(MOE, num_experts=2, top_k=1))
 
 
 class Record(pl.Callback):
@@ -104,6 +107,11 @@ def _fit(
     dp = ParallelDims(devices, **degrees).dp_size
     module = GPTModule(model, OptimConfig(lr=1e-2, warmup_steps=1), max_steps=STEPS)
     trainer.fit(module, _loader(dp, accumulate), ckpt_path=ckpt)
+    held = {
+        n: getattr(p, "to_local", lambda p=p: p)().numel()
+        for n, p in trainer.lightning_module.named_parameters()
+        if ".experts." in n
+    }
     val_loss = float(trainer.validate(trainer.lightning_module, _loader(dp), verbose=False)[0]["val/loss"])
     describe = "\n".join(strategy.describe().lines())
     kept = ("losses", "norms", "imbalance", "grads", "params", "biases", "start_biases")
@@ -111,7 +119,8 @@ def _fit(
     ep = [
         {"bytes": b - pb, "calls": c - pc} for (b, c), (pb, pc) in zip(record.all_to_all, [(0, 0), *record.all_to_all])
     ]
-    return {**{key: getattr(record, key) for key in kept}, "val_loss": val_loss, "describe": describe, "ep": ep}
+    return {**{key: getattr(record, key) for key in kept}, "val_loss": val_loss, "describe": describe, "ep": ep,
+            "experts_held": held}  # fmt: skip
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -127,7 +136,8 @@ def _resumed(root: str, devices: int, first: dict[str, int] | None, then: dict[s
 
 
 def _one_rank(root: str) -> dict[str, Any]:
-    return {"fit": _fit(1), "fit-cp": _fit(1, model=MODEL_CP), "resumed": _resumed(root, 1, {}, {})}
+    return {"fit": _fit(1), "fit-cp": _fit(1, model=MODEL_CP), "fit-2e": _fit(1, model=MODEL_2E),
+            "resumed": _resumed(root, 1, {}, {})}  # fmt: skip
 
 
 def _two_ranks(root: str, one_process_ckpt: str) -> dict[str, Any]:
@@ -144,6 +154,7 @@ def _four_ranks(root: str) -> dict[str, Any]:
     out["pp2xep2"] = _fit(4, pp=2, dp_shard=2, ep=2)
     out["ep2xcp2"] = _fit(4, dp_shard=2, ep=2, cp=2, model=MODEL_CP)
     out["ep2->ep4"] = _resumed(root, 4, {"dp_shard": 4, "ep": 2}, {"dp_shard": 4, "ep": 4})
+    out["ep2xfsdp2-2e"] = _fit(4, dp_shard=4, ep=2, model=MODEL_2E)
     return out
 
 
@@ -212,6 +223,14 @@ def test_four_rank_layouts_match_one_process(layout: str, four_ranks: list, one_
         _assert_same_run(rank[layout], one_rank["fit-cp" if layout == "ep2xcp2" else "fit"])
     held = set().union(*(rank[layout]["params"] for rank in four_ranks))
     assert held == one_rank["fit"]["params"].keys()  # every parameter checked on some rank (pp: each stage's own)
+
+
+def test_experts_fewer_than_their_fsdp_ranks_are_sharded_along_their_rows(four_ranks: list, one_rank: dict) -> None:
+    for rank in four_ranks:
+        _assert_same_run(rank["ep2xfsdp2-2e"], one_rank["fit-2e"])
+    held = [rank["ep2xfsdp2-2e"]["experts_held"] for rank in four_ranks]
+    # every rank half of its one expert's rows: (1, 32, 32) gate / up, (1, 32, 32) down, halves of 1024 each
+    assert all(set(rank.values()) == {512} for rank in held), held
 
 
 @pytest.mark.parametrize("resumed", ["ep2->ep1", "1->ep2"])
