@@ -71,9 +71,9 @@ def expert_shard(cfg: GPTConfig, ep: int, dp_shard: int, cp: int) -> int:
         return 0
     local = cfg.moe.num_experts // ep
     shard = dp_shard // ep * cp
-    if local >= shard:
+    if local >= shard or ep == 1:  # ep = 1: the experts are in their block's FSDP2 unit, sharded on dim 0
         return math.ceil(local / shard) * expert_params(cfg) // cfg.moe.num_experts
-    # fewer local experts than ranks: sharded along their rows (gate / up: F of them, down: C), padded to ``shard``
+    # ep > 1, fewer local experts than ranks: sharded along their rows (gate / up: F of them, down: C), each padded
     hidden, width = cfg.expert_hidden, cfg.d_model
     return local * (2 * math.ceil(hidden / shard) * width + math.ceil(width / shard) * hidden)
 

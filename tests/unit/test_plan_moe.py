@@ -58,6 +58,11 @@ def test_a_rank_holds_its_dense_share_and_one_ep_th_of_the_experts() -> None:
     )
     # FSDP2 pads dim 0: ep1 over 16 ranks leaves half of them without experts, the first holds a whole one
     assert count_local_params(TINY, dp_shard=16) == (whole - 2 * EXPERTS - routers) // 16 + 2 * (64 + EXPERTS // 8)
+    # ep2 over 16 ranks: 4 experts per rank, fewer than the 8 ranks sharding them, so each is sharded along its rows
+    # (parallel/expert.py: dim 1, F rows of gate and up, C of down): every rank a 1/8 of its 4 experts
+    f, c = TINY.expert_hidden, TINY.d_model
+    rows = 4 * (2 * -(-f // 8) * c + -(-c // 8) * f)
+    assert count_local_params(TINY, dp_shard=16, ep=2) == (whole - 2 * EXPERTS - routers) // 16 + 2 * (64 + rows)
     # pipeline: the dense block and the embedding on stage 0, an MoE block and the head on stage 1
     per_rank = rank_local_params(TINY, Layout.of(1, 2, pp=2, dp_shard=2, ep=2))
     assert sum(per_rank) * 2 == whole  # each stage in 2 shards (the experts: 4 of 8 on each ep rank, whole)
