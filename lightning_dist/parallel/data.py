@@ -23,6 +23,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     reduce_dtype: torch.dtype | None = None,
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> None:
     """Wrap each of ``units`` (transformer blocks), then each of ``roots`` (what owns the rest), with FSDP2.
 
@@ -43,12 +44,16 @@ def apply_fsdp(
             parameters' own.
         cpu_offload: Keep the sharded parameters, their gradients and so the optimizer state in host memory; FSDP2
             copies a unit to the device for its all-gather (pinned memory where CUDA is available).
+        ignored_params: Parameters FSDP2 leaves alone: every rank holds them whole, as they are (a frozen QLoRA base,
+            quantized later from each whole weight); they get no gradient, so nothing of theirs is reduced.
     """
     if reduce_dtype is None and param_dtype is not None:
         reduce_dtype = torch.float32  # low-precision compute, full-precision gradient sums
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    if ignored := set(ignored_params):
+        options["ignored_params"] = ignored
     units = list(units)
     for index, unit in enumerate(units):
         # The last block is the first one backward needs: resharding it after forward would only all-gather it
