@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dist.models.gpt_config import GPTConfig
-from lightning_dist.models.lora_config import LoraConfig
+from lightning_dist.models.lora_config import NF4_BLOCK, NF4_SCALER_BLOCK, LoraConfig
 
 
 @dataclass
@@ -71,6 +71,13 @@ def check_qlora(cfg: Any, dims: Any) -> None:
             f"{what} with a GPT-2 model: its layers are transformers' Conv1D, which torchao's NF4 does not compute "
             "with; use a Llama-style family (Llama, Qwen2, Mistral) or model.lora.quantize=null."
         )
+    for layer, numel in _block_linear_sizes(cfg.model).items():
+        if numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+            raise ValueError(
+                f"{what}: the blocks' {layer} weight has {numel} values, not a multiple of "
+                f"{NF4_BLOCK * NF4_SCALER_BLOCK} (NF4's blocks of {NF4_BLOCK} in groups of {NF4_SCALER_BLOCK}); use a "
+                "model whose widths are multiples of 128, or model.lora.quantize=null."
+            )
     if dims.tp > 1:
         raise ValueError(
             f"{what} under tp={dims.tp}: tensor parallelism shards each base weight, and NF4 is quantized from a "
@@ -83,6 +90,23 @@ def check_qlora(cfg: Any, dims: Any) -> None:
             "layers; untested); set parallelism.pp=1 (fsdp keeps the 4-bit base whole on every rank), or "
             "model.lora.quantize=null."
         )
+
+
+def _block_linear_sizes(model: Any) -> dict[str, int]:
+    """The values in each linear weight of a block, for the built-in GPT and Llama-family HuggingFace models (the
+    planner's shapes); {} for another model (``models/qlora.py`` checks its layers once built)."""
+    from lightning_dist.config.shapes import planned_model  # deferred: shapes reads the schema, which holds EvalConfig
+
+    try:
+        cfg = planned_model(model)
+    except ValueError:
+        return {}
+    h, f, q, kv = cfg.d_model, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    sizes = {"q_proj": h * q, "k_proj": h * kv, "v_proj": h * kv, "o_proj": q * h}
+    if cfg.moe.num_experts > 0:  # the experts are stacked tensors, not linear layers (only the router is one)
+        return sizes
+    sizes.update({"up_proj": h * f, "down_proj": f * h})
+    return {**sizes, "gate_proj": h * f} if cfg.arch == "llama" else sizes
 
 
 def _hf_model_type(model: Any) -> str | None:
