@@ -77,6 +77,11 @@ def quantize_base(model: nn.Module, blocks: str, kind: str = "nf4") -> list[str]
         weight = layer.weight
         if is_nf4(weight):
             continue
+        if type(weight).__name__ == "DTensor":  # sharded by FSDP2 / TP: its whole value is not here
+            raise ValueError(
+                f"model.lora.quantize={kind}: {name}.weight is a sharded DTensor; QLoRA quantizes "
+                "whole weights: the module's unsharded_parameters() must name it (FSDP2 then leaves it whole)."
+            )
         if weight.requires_grad:
             raise ValueError(
                 f"model.lora.quantize={kind}: {name}.weight is trained; QLoRA quantizes a frozen base only "
