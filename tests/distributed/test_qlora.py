@@ -157,6 +157,32 @@ def test_the_adapter_loads_with_peft_on_the_unquantized_base_and_merges_into_the
     )
 
 
+def test_a_qlora_checkpoint_starts_a_new_run_but_is_continued_by_qlora_only(
+    runs: dict[str, dict], folders: dict[str, Path]
+) -> None:
+    from helpers import compose_config
+
+    from lightning_dist.checkpoint.weights import load_weights
+    from lightning_dist.config.validate import validate
+    from lightning_dist.models.hf import HFCausalLM
+    from lightning_dist.models.lora_config import LoraConfig
+
+    one = _checkpoint(runs["one"])
+    # init_from: a plain LoRA module starts from what the QLoRA run computed with (its NF4 base, dequantized).
+    module = HFCausalLM(transformers.AutoConfig.from_pretrained(folders["pretrained"]), lora=LoraConfig(4, 8.0))
+    module.configure_model()
+    load_weights(one.path, module)
+    saved = one.read(one.names)
+    for name, tensor in module.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)
+    # ckpt_path: continuing it without model.lora.quantize is refused in one line, before launch.
+    plain = [*COMMON, f"model.pretrained={folders['pretrained']}", *ONE, f"ckpt_path={one.path}"]
+    with pytest.raises(ValueError, match=r"^ckpt_path=\S+ holds a QLoRA run's 4-bit base") as err:
+        validate(compose_config(plain))
+    assert "\n" not in str(err.value)
+    validate(compose_config([*plain, "model.lora.quantize=nf4"]))
+
+
 @pytest.mark.slow  # the fsdp2 run covers FSDP2's handling of the whole 4-bit base; cp shards the same way
 def test_context_parallelism_gives_the_one_process_run(runs: dict[str, dict], folders: dict, tmp_path: Path) -> None:
     cp2 = [*FSDP2, "parallelism.dp_shard=1", "parallelism.cp=2", f"model.pretrained={folders['pretrained']}"]
