@@ -78,6 +78,12 @@ def check_qlora(cfg: Any, dims: Any) -> None:
                 f"{NF4_BLOCK * NF4_SCALER_BLOCK} (NF4's blocks of {NF4_BLOCK} in groups of {NF4_SCALER_BLOCK}); use a "
                 "model whose widths are multiples of 128, or model.lora.quantize=null."
             )
+    if cfg.parallelism.strategy == "ddp":
+        raise ValueError(
+            f"{what} with parallelism=ddp: Lightning's DDP saves one-file checkpoints, read back before the base is "
+            "quantized, so its runs could not continue; use parallelism=fsdp (parallelism.dp_shard=1 for plain "
+            "replication: the 4-bit base is whole on every rank either way)."
+        )
     if dims.tp > 1:
         raise ValueError(
             f"{what} under tp={dims.tp}: tensor parallelism shards each base weight, and NF4 is quantized from a "

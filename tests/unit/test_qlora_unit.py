@@ -131,6 +131,7 @@ HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf", "model.lora.
             r"^model.lora.quantize=nf4 \(QLoRA\): the blocks' q_proj weight has 4096 values, not a multiple of 16384",
         ),
         ([*QGPT, "parallelism=tp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) under tp=2: tensor"),
+        ([*QGPT, "parallelism=ddp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) with parallelism=ddp"),
         ([*QGPT, "parallelism=pp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) under pp=2: not wired"),
         (
             [*HF, "model.config=tiny_gpt2", "model.lora.quantize=nf4"],
@@ -144,9 +145,11 @@ def test_qlora_values_that_cannot_run_stop_before_launch_in_one_line(overrides: 
     assert "\n" not in str(err.value)
 
 
-def test_qlora_runs_under_fsdp_and_context_parallelism() -> None:
+def test_qlora_runs_under_fsdp_replication_and_context_parallelism() -> None:
     two = ["parallelism=fsdp", "cluster.devices=2"]
-    for layout in (["cluster.devices=1"], two, [*two, "parallelism.dp_shard=1", "parallelism.cp=2"]):
+    replicated = [*two, "parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
+    cp2 = [*two, "parallelism.dp_shard=1", "parallelism.cp=2"]
+    for layout in (["parallelism=fsdp", "cluster.devices=1"], two, replicated, cp2):
         validate(compose_config([*QGPT, *layout]))
 
 
