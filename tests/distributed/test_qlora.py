@@ -183,7 +183,6 @@ def test_a_qlora_checkpoint_starts_a_new_run_but_is_continued_by_qlora_only(
     validate(compose_config([*plain, "model.lora.quantize=nf4"]))
 
 
-@pytest.mark.slow  # the fsdp2 run covers FSDP2's handling of the whole 4-bit base; cp shards the same way
 def test_context_parallelism_gives_the_one_process_run(runs: dict[str, dict], folders: dict, tmp_path: Path) -> None:
     cp2 = [*FSDP2, "parallelism.dp_shard=1", "parallelism.cp=2", f"model.pretrained={folders['pretrained']}"]
     np.testing.assert_allclose(losses(run_app([*QLORA, *cp2], tmp_path)), losses(runs["one"]), rtol=1e-5)
