@@ -115,6 +115,27 @@ def test_fsdp2_leaves_the_qlora_base_whole_and_shards_the_rest() -> None:
         declared_unsharded(Wrong())
 
 
+def test_the_built_in_gpt_quantizes_its_blocks_at_fit_start_and_leaves_them_out_of_fsdp2() -> None:
+    import lightning.pytorch  # noqa: F401  first: importing Lightning registers our strategies, which import contract
+
+    from lightning_dist.contract import declared_unsharded
+    from lightning_dist.models.gpt import GPTConfig
+    from lightning_dist.models.module import GPTModule
+    from lightning_dist.models.optim import OptimConfig
+
+    cfg = GPTConfig(d_model=128, n_heads=4, n_kv_heads=4, ffn_hidden=512, vocab_size=256, n_layers=2, lora=QLORA)
+    module = GPTModule(cfg, OptimConfig(), 10, init_seed=3)
+    module.configure_model()
+    ids = {id(p) for p in declared_unsharded(module)}
+    before = {name: p.detach().clone() for name, p in module.named_parameters() if id(p) in ids}
+    module.on_fit_start()
+    assert sorted(n for n, p in module.named_parameters() if is_nf4(p)) == sorted(before)
+    assert len(before) == 7 * 2 and all(".base_layer." in name for name in before)
+    for name, old in before.items():
+        assert torch.equal(dequantized(module.get_parameter(name)), nf4.to_nf4(old).get_original_weight()), name
+    assert not is_nf4(module.model.head.weight) and not is_nf4(module.model.tok_emb.weight)
+
+
 #: The tiny GPT with NF4-sized weights (128 x 128, 128 x 512).
 WIDE = ["model.d_model=128", "model.n_kv_heads=4", "model.ffn_hidden=512"]
 QGPT = [*FAST, "model.lora.rank=4", "model.lora.quantize=nf4", *WIDE]
