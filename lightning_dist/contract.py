@@ -102,6 +102,10 @@ class ParallelModule(Protocol):
         the model this rank holds.
         """
 
+    def unsharded_parameters(self) -> list[nn.Parameter]:
+        """Parameters FSDP2 must leave whole on every data-parallel rank (no gradient: they are frozen), e.g. a QLoRA
+        base quantized from each whole weight once loaded (``models/qlora.py``); [] or no hook: FSDP2 shards all."""
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU; may also be a number attribute."""
 
@@ -125,6 +129,7 @@ HOOKS: frozenset[str] = frozenset(
         "check_expert_parallel",
         "reset_parameters",
         "set_loss_chunks",
+        "unsharded_parameters",
     )
 )
 
@@ -146,6 +151,24 @@ def declared_blocks(module: Any) -> list[Any]:
         return repeated_blocks(module)
     spec = spec_fn()
     return list(module_children(spec.blocks(spec.model(module))).values())
+
+
+def declared_unsharded(module: Any) -> list[nn.Parameter]:
+    """The parameters ``module`` asks FSDP2 to leave whole (its ``unsharded_parameters()``); [] without the hook.
+
+    Raises:
+        ValueError: One of them is trained (FSDP2 would not reduce its gradient over the data-parallel ranks).
+    """
+    hook = module_hook(module, "unsharded_parameters")
+    params = list(hook()) if hook is not None else []
+    ids = {id(param) for param in params}
+    trained = [name for name, param in module.named_parameters() if param.requires_grad and id(param) in ids]
+    if trained:
+        raise ValueError(
+            f"{type(module).__name__}.unsharded_parameters() names {trained[0]}, which is trained; only frozen "
+            "parameters may be left out of FSDP2 (their gradients would not be reduced)."
+        )
+    return params
 
 
 def declared_tp_plan(module: Any, tp: int, options: ParallelOptions) -> TensorParallelPlan:

@@ -40,6 +40,7 @@ from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.errors import first_line
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
+from lightning_dist.models.qlora import NF4_NAMES, dequantized, nf4_target
 
 _PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; DCP flattens nested keys with dots
 
@@ -90,6 +91,7 @@ class Checkpoint:
             self._file = rest["state_dict"]
             self.shapes = {k: (v.shape, v.dtype) for k, v in self._file.items() if isinstance(v, Tensor)}
         self.hyper_parameters: dict[str, Any] = dict(rest.get("hyper_parameters") or {})
+        self._rest = rest
 
     @property
     def names(self) -> list[str]:
@@ -104,13 +106,19 @@ class Checkpoint:
     def read(self, names: list[str]) -> dict[str, Tensor]:
         """The whole tensors ``names``, on the CPU (one DCP read for all of them)."""
         if self._file is not None:
-            return {name: self._file[name] for name in names}
+            return {name: dequantized(self._file[name]) for name in names}
         state = {}
+        nf4 = set(self.nf4_names)
         for name in names:
             shape, dtype = self.shapes[name]
-            state[_PREFIX + name] = torch.empty(shape, dtype=dtype)
+            state[_PREFIX + name] = nf4_target(shape, dtype) if name in nf4 else torch.empty(shape, dtype=dtype)
         dcp.load(state, checkpoint_id=self.path, no_dist=True)
-        return {name[len(_PREFIX) :]: tensor for name, tensor in state.items()}
+        return {name[len(_PREFIX) :]: dequantized(tensor) for name, tensor in state.items()}
+
+    @property
+    def nf4_names(self) -> list[str]:
+        """The tensors a QLoRA run saved in 4 bits (torchao's NF4; :meth:`read` gives them dequantized)."""
+        return list(self._rest.get(NF4_NAMES, []))
 
 
 def export_torch(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None) -> Path:

@@ -9,12 +9,15 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dist.checkpoint.hf_conversion import Conversion, conversions, load_converted
+from lightning_dist.checkpoint.store import read_rest
 from lightning_dist.models.gpt_hf import from_hf_names
 from lightning_dist.models.hf import HFCausalLM
 from lightning_dist.models.lora import base_name, is_adapter
 from lightning_dist.models.module import GPTModule
+from lightning_dist.models.qlora import NF4_NAMES, dequantized, nf4_target
 
 MODULE_ATTR = "model."  # GPTModule.model and HFCausalLM.model hold the network
 
@@ -120,14 +123,30 @@ def load_weights(path: Path, module: nn.Module) -> None:
     """
     state = get_model_state_dict(module)
     sources, converted = weight_plan(path, module, state)  # adapters a folder lacks are left out: they keep values
+    # A QLoRA checkpoint's NF4 tensors are read whole into NF4 targets, then given to the module dequantized (a QLoRA
+    # run quantizes them again once they are in place).
+    nf4 = set() if is_hf_folder(path) else {f"state_dict.{name}" for name in read_rest(path, False).get(NF4_NAMES, [])}
+    whole = {}
+    if nf4:
+        saved = reader(path).read_metadata().state_dict_metadata
+        whole = {n: nf4_target(saved[s].size, saved[s].properties.dtype) for n, s in sources.items() if s in nf4}
     # One DCP read per pass, each source key at most once per pass (a tied head and embedding share one source).
     passes: list[dict[str, Any]] = [{}, {}]
     for name, source in sources.items():
-        passes[0 if source not in passes[0] else 1][source] = state[name]
+        passes[0 if source not in passes[0] else 1][source] = whole.get(name, state[name])
     for targets in passes:  # every rank runs both passes: DCP's planning is collective
         dcp.load(targets, storage_reader=reader(path))  # a reader is stateful: a new one per load
+    for name, target in whole.items():
+        _copy_whole(state[name], dequantized(target))
     load_converted(path, converted, state, getattr(module, "model", None))
     set_model_state_dict(module, state)
+
+
+def _copy_whole(param: Any, value: Any) -> None:
+    """Copy the whole tensor ``value`` into ``param``, or into this rank's shard of it (a DTensor)."""
+    if isinstance(param, DTensor):  # every rank holds the whole value: each slices its shard, no communication
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 def reader(path: Path) -> Any:

@@ -1,4 +1,4 @@
-"""Fine-tuning's settings, checked before launch: ``model.lora`` (LoRA, QLoRA's device, peft installed),
+"""Fine-tuning's settings, checked before launch: ``model.lora`` (LoRA, QLoRA's layouts, peft / torchao installed),
 ``checkpoint.save_hf`` (a model whose HuggingFace names a sharded write can give) and ``eval.*`` (lm-eval tasks during
 training, on each evaluated checkpoint's HuggingFace save). Torch-free: the launcher runs them."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dist.models.gpt_config import GPTConfig
-from lightning_dist.models.lora_config import LoraConfig
+from lightning_dist.models.lora_config import NF4_BLOCK, NF4_SCALER_BLOCK, LoraConfig
 
 
 @dataclass
@@ -33,11 +33,14 @@ class EvalConfig:
     """lm-eval's batch size."""
 
 
-def check_finetune(cfg: Any) -> None:
-    """The rules below, for the run's config (a ``TrainConfig``); a user's own module has no ``model.lora``."""
+def check_finetune(cfg: Any, dims: Any) -> None:
+    """The rules below, for the run's config (a ``TrainConfig``) and layout (its ``ParallelDims``); a user's own
+    module has no ``model.lora``."""
     lora = getattr(cfg.model, "lora", None)
     if lora is not None:
-        check_lora(lora, cfg.cluster.accelerator)
+        check_lora(lora)
+        if lora.quantize is not None:
+            check_qlora(cfg, dims)
         if lora.enabled and cfg.parallelism.float8 != "off":
             # float8 would convert the frozen base layers and the adapters alike: not checked against one process.
             raise ValueError(
@@ -50,11 +53,73 @@ def check_finetune(cfg: Any) -> None:
         check_eval(cfg)
 
 
-def check_lora(lora: LoraConfig, accelerator: str) -> None:
-    """``model.lora``: its values, QLoRA's device, and peft installed (one line each)."""
-    lora.check(accelerator)
+def check_lora(lora: LoraConfig) -> None:
+    """``model.lora``: its values, and peft installed (one line each)."""
+    lora.check()
     if lora.enabled and importlib.util.find_spec("peft") is None:
         raise ValueError(f"model.lora.rank={lora.rank} needs peft: pip install 'lightning-dist[hf]' (or set rank 0).")
+
+
+def check_qlora(cfg: Any, dims: Any) -> None:
+    """``model.lora.quantize`` (QLoRA, ``models/qlora.py``): torchao installed, a layout the 4-bit base runs under
+    (one line each)."""
+    what = f"model.lora.quantize={cfg.model.lora.quantize} (QLoRA)"
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"{what} needs torchao: pip install 'lightning-dist[qlora]' (or model.lora.quantize=null).")
+    if getattr(cfg.model, "kind", None) == "hf" and _hf_model_type(cfg.model) in ("gpt2",):
+        raise ValueError(
+            f"{what} with a GPT-2 model: its layers are transformers' Conv1D, which torchao's NF4 does not compute "
+            "with; use a Llama-style family (Llama, Qwen2, Mistral) or model.lora.quantize=null."
+        )
+    for layer, numel in _block_linear_sizes(cfg.model).items():
+        if numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+            raise ValueError(
+                f"{what}: the blocks' {layer} weight has {numel} values, not a multiple of "
+                f"{NF4_BLOCK * NF4_SCALER_BLOCK} (NF4's blocks of {NF4_BLOCK} in groups of {NF4_SCALER_BLOCK}); use a "
+                "model whose widths are multiples of 128, or model.lora.quantize=null."
+            )
+    if cfg.parallelism.strategy == "ddp":
+        raise ValueError(
+            f"{what} with parallelism=ddp: Lightning's DDP saves one-file checkpoints, read back before the base is "
+            "quantized, so its runs could not continue; use parallelism=fsdp (parallelism.dp_shard=1 for plain "
+            "replication: the 4-bit base is whole on every rank either way)."
+        )
+    if dims.tp > 1:
+        raise ValueError(
+            f"{what} under tp={dims.tp}: tensor parallelism shards each base weight, and NF4 is quantized from a "
+            "whole one (torchao's NF4 has no tensor-parallel layout here); set parallelism.tp=1 (fsdp / cp / "
+            "replication keep the 4-bit base whole on every rank), or model.lora.quantize=null."
+        )
+    if dims.pp > 1:
+        raise ValueError(
+            f"{what} under pp={dims.pp}: not wired for pipeline stages yet (each stage would quantize its own "
+            "layers; untested); set parallelism.pp=1 (fsdp keeps the 4-bit base whole on every rank), or "
+            "model.lora.quantize=null."
+        )
+
+
+def _block_linear_sizes(model: Any) -> dict[str, int]:
+    """The values in each linear weight of a block, for the built-in GPT and Llama-family HuggingFace models (the
+    planner's shapes); {} for another model (``models/qlora.py`` checks its layers once built)."""
+    from lightning_dist.config.shapes import planned_model  # deferred: shapes reads the schema, which holds EvalConfig
+
+    try:
+        cfg = planned_model(model)
+    except ValueError:
+        return {}
+    h, f, q, kv = cfg.d_model, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    sizes = {"q_proj": h * q, "k_proj": h * kv, "v_proj": h * kv, "o_proj": q * h}
+    if cfg.moe.num_experts > 0:  # the experts are stacked tensors, not linear layers (only the router is one)
+        return sizes
+    sizes.update({"up_proj": h * f, "down_proj": f * h})
+    return {**sizes, "gate_proj": h * f} if cfg.arch == "llama" else sizes
+
+
+def _hf_model_type(model: Any) -> str | None:
+    """``model=hf``'s family (``config.json``'s ``model_type``) where it is known before launch."""
+    from lightning_dist.config.shapes import hf_config  # deferred: shapes reads the schema, which holds EvalConfig
+
+    return getattr(hf_config(model), "model_type", None)
 
 
 def check_save_hf(model: Any) -> None:

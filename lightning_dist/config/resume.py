@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
-from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, run_record_of, unchecked_note
+from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, read_rest, run_record_of, unchecked_note
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
 from lightning_dist.config.environment import is_global_zero, launcher, restart_count, resume_folder
@@ -19,6 +19,7 @@ from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfi
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import from_hf_names
+from lightning_dist.models.qlora import NF4_NAMES
 
 
 def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
@@ -152,6 +153,12 @@ def _check_ckpt_fits(cfg: TrainConfig, path: Path, label: str) -> None:
         fields = "model.n_layers, model.d_model, ..." if isinstance(cfg.model, GPTConfig) else "model.config"
         fix = f"set the model config the checkpoint was trained with ({fields})"
         check_fits(label, checkpoint_shapes(path), ModelNames.of(_on_meta(cfg)).shapes, fix)
+        quantize = cfg.model.lora.quantize if cfg.model.lora.enabled else None
+        if quantize is None and path.is_dir() and read_rest(path, False).get(NF4_NAMES):
+            raise ValueError(
+                f"{label} holds a QLoRA run's 4-bit base (model.lora.quantize=nf4), which a run without it cannot "
+                f"continue; set model.lora.quantize=nf4, or start a new run from its weights: init_from={path}."
+            )
 
 
 def _on_meta(cfg: TrainConfig) -> torch.nn.Module:

@@ -273,7 +273,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
         model.validate()
     if isinstance(model, (GPTConfig, HFModelConfig)):  # a user's module builds an optimizer of its own
         cfg.optim.validate()
-    check_finetune(cfg)  # model.lora, checkpoint.save_hf, eval.*
+    check_finetune(cfg, dims)  # model.lora, checkpoint.save_hf, eval.*
     vocab, max_len = vocab_and_length(model)
     if not isinstance(data, DataConfig):
         return None  # a user's DataModule: its loaders give per-rank batches (the global batch is dp x that)

@@ -42,6 +42,7 @@ from lightning_dist.models.loss import IGNORE_INDEX as IGNORE_INDEX  # re-export
 from lightning_dist.models.loss import split_token_batch, token_loss
 from lightning_dist.models.module import StepLoss
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
+from lightning_dist.models.qlora import NF4_NAMES, base_linears, nf4_names, quantize_base
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
@@ -183,6 +184,24 @@ class HFCausalLM(pl.LightningModule):
         zeros when ``random_init=False`` (the weights are read next); the rotary tables computed again."""
         init_causal_lm(self.model, self.init_seed, random=self.random_init)
         init_lora(self.model, self.init_seed)  # the adapters are never read from pretrained weights
+
+    def on_fit_start(self) -> None:
+        """QLoRA (``model.lora.quantize``): the frozen base stored in 4 bits once its weights are in place (a pretrained
+        folder is read, the precision applied) and before a checkpoint being continued is read into it."""
+        if self.lora is not None and self.lora.quantize is not None:
+            quantize_base(self.model, hf_layout(self.model).blocks, self.lora.quantize)
+
+    def unsharded_parameters(self) -> list[nn.Parameter]:
+        """QLoRA: the frozen base FSDP2 leaves whole on every rank, each weight quantized from its whole loaded value
+        (as one process quantizes it); the adapters, embedding, norms and head are sharded as usual."""
+        if not (self.lora is not None and self.lora.quantize is not None):
+            return []
+        return [layer.weight for layer in base_linears(self.model, hf_layout(self.model).blocks).values()]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A QLoRA checkpoint names its NF4 tensors (saved as they are: a resumed run continues on the same base)."""
+        if names := nf4_names(self):
+            checkpoint[NF4_NAMES] = names
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), counted as for the built-in GPT (PaLM's estimate):

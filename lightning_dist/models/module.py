@@ -28,6 +28,7 @@ from lightning_dist.models.lora import apply_lora, init_lora, to_keeping_adapter
 from lightning_dist.models.loss import chunked_token_loss, split_token_batch, token_loss
 from lightning_dist.models.moe import load_stats, moe_layers, update_expert_bias
 from lightning_dist.models.optim import OptimConfig, adamw_with_schedule
+from lightning_dist.models.qlora import NF4_NAMES, base_linears, nf4_names, quantize_base
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
@@ -80,6 +81,24 @@ class GPTModule(pl.LightningModule):
         """Re-initialize after a strategy materialized the model from the meta device."""
         self.model.init_weights(self.init_seed)
         init_lora(self.model, self.init_seed)
+
+    def on_fit_start(self) -> None:
+        """QLoRA (``model.lora.quantize``): the frozen base stored in 4 bits once its weights are in place (read from
+        ``init_from``, the precision applied) and before a checkpoint being continued is read into it."""
+        if self.model_config.lora.enabled and self.model_config.lora.quantize is not None:
+            quantize_base(self.model, "layers", self.model_config.lora.quantize)
+
+    def unsharded_parameters(self) -> list[nn.Parameter]:
+        """QLoRA: the frozen base FSDP2 leaves whole on every rank, each weight quantized from its whole loaded value
+        (as one process quantizes it); the adapters, embedding, norms and head are sharded as usual."""
+        if not (self.model_config.lora.enabled and self.model_config.lora.quantize is not None):
+            return []
+        return [layer.weight for layer in base_linears(self.model, "layers").values()]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A QLoRA checkpoint names its NF4 tensors (saved as they are: a resumed run continues on the same base)."""
+        if names := nf4_names(self):
+            checkpoint[NF4_NAMES] = names
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)

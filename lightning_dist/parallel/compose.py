@@ -29,6 +29,7 @@ def parallelize(
     ep_spec: ExpertParallelSpec | None = None,
     fsdp_units: Sequence[nn.Module] = (),
     fsdp_roots: Sequence[nn.Module] | None = None,
+    fsdp_ignored: Sequence[nn.Parameter] = (),
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> Parallelized:
@@ -51,6 +52,7 @@ def parallelize(
             checkpointing applies to them, and FSDP2 wraps each as its own unit.
         fsdp_roots: Modules wrapped after the units, picking up the remaining parameters; ``None`` = each child of
             ``module`` holding parameters outside the units (a LightningModule itself is never wrapped).
+        fsdp_ignored: Parameters FSDP2 leaves whole on every rank (the module's ``unsharded_parameters()``).
         param_dtype: FSDP2 compute dtype (bf16 for mixed precision).
         reshard_after_forward: See :func:`lightning_dist.parallel.data.apply_fsdp` (pipeline stages: ``False``).
 
@@ -137,6 +139,7 @@ def parallelize(
             reshard_after_forward=reshard_after_forward,
             cpu_offload=options.cpu_offload,
             reduce_dtype=reduce_dtype,
+            ignored_params=fsdp_ignored,
         )
         for unit in [*fsdp_units, *roots]:
             group = unit if isinstance(unit, list) else [unit]

@@ -25,6 +25,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reduce_dtype: torch.dtype | None = None,
     shard_dim: int = 0,
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> None:
     """Wrap each of ``units`` (transformer blocks), then each of ``roots`` (what owns the rest), with FSDP2.
 
@@ -47,6 +48,8 @@ def apply_fsdp(
             copies a unit to the device for its all-gather (pinned memory where CUDA is available).
         shard_dim: The dim each parameter is sharded on (FSDP2's ``shard_placement_fn``): 0, or 1 for stacked experts
             fewer than the ranks sharding them (dim 0 would leave ranks without any).
+        ignored_params: Parameters FSDP2 leaves alone: every rank holds them whole, as they are (a frozen QLoRA base,
+            quantized later from each whole weight); they get no gradient, so nothing of theirs is reduced.
     """
     if reduce_dtype is None and param_dtype is not None:
         reduce_dtype = torch.float32  # low-precision compute, full-precision gradient sums
@@ -55,6 +58,8 @@ def apply_fsdp(
     options: dict = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
     if shard_dim:
         options["shard_placement_fn"] = lambda param: Shard(shard_dim)
+    if ignored := set(ignored_params):
+        options["ignored_params"] = ignored
     units = list(units)
     for index, unit in enumerate(units):
         # The last block is the first one backward needs: resharding it after forward would only all-gather it

@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.models.lora_config import NF4_BYTES_PER_PARAM
 from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.moe_memory import (
@@ -163,7 +164,8 @@ def estimate_memory(
         dims: The layout's degrees (``tp``, ``dp_shard``, ``cp`` and ``pp`` matter here).
         options: Its options: the pipeline schedule and microbatches, activation checkpointing.
         local_params: Parameters this rank holds (its shards; from a trace, or :func:`count_local_params`); with
-            ``cfg.lora`` the base's, the adapters' added here (they alone have gradients and optimizer state).
+            ``cfg.lora`` the base's, the adapters' added here (they alone have gradients and optimizer state); with
+            ``cfg.lora.quantize`` (QLoRA) the blocks' linear weights are counted whole, in NF4, on every rank.
         seq_len: Tokens per sample.
         micro_batch: Samples per forward: ``data.micro_batch_size`` (under pp, one pipeline microbatch).
         margin: Allocator fragmentation margin on the total.
@@ -189,26 +191,35 @@ def estimate_memory(
         activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
     chunk = -(-tokens // max(1, options.loss_chunks))  # the tokens whose logits are alive at once
     logits = int(chunk * cfg.vocab_size / tp * LOGIT_BYTES)
+    qlora = cfg.lora.enabled and cfg.lora.quantize is not None
+    # QLoRA: the blocks' linear weights stay whole on every rank, in NF4 (FSDP2 leaves them alone: models/qlora.py)
+    linears = blocks * block_linear_params(cfg) / tp if qlora else 0
     buffers = 0
     if dp_shard * cp > 1:
         # Two gathered units (the current one and the prefetched next: a block, or the embedding + head) and one
         # unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible).
         root = 2 * cfg.vocab_size * cfg.d_model / tp
-        linears = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
-        unit = block_params(cfg) / tp
+        f8 = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
+        unit = (block_params(cfg) - (block_linear_params(cfg) if qlora else 0)) / tp  # a QLoRA base: never gathered
         if moe:  # an MoE block and its experts (whole on every tp rank; E / ep of them): the largest unit
             unit = max(unit, moe_dense_params(cfg) / tp + expert_params(cfg) / dims.ep)
-        gathered = max((unit - linears / tp) * 2 + linears / tp, root * 2)
+        gathered = max((unit - f8 / tp) * 2 + f8 / tp, root * 2)
         unsharded_grad = 0 if cfg.lora.enabled else 4 * max(unit, root)
         buffers = int(2 * gathered + unsharded_grad)
         if options.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
             buffers += int(4 * max(unit, root) / (dp_shard * cp))
+    if qlora:  # one weight dequantized at a time, for its matmul (and again in the backward)
+        buffers += int(4 * cfg.d_model * cfg.hidden_dim / tp)
     trainable = local_params
+    base_bytes = 0
     if cfg.lora.enabled:  # LoRA: gradients and AdamW moments for the adapters only; the base is held frozen
         trainable = int(blocks * lora_block_params(cfg, tp) / (dp_shard * cp))
+        if qlora:  # the sharded fp32 linear weights counted in local_params are held whole in 4 bits instead
+            local_params -= int(linears / (dp_shard * cp))
+            base_bytes = int(linears * NF4_BYTES_PER_PARAM)
         local_params += trainable
     return MemoryEstimate(
-        params=local_params * STATE_BYTES_PER_PARAM["params"],
+        params=local_params * STATE_BYTES_PER_PARAM["params"] + base_bytes,
         grads=trainable * STATE_BYTES_PER_PARAM["grads"],
         optimizer=trainable * STATE_BYTES_PER_PARAM["optimizer"],
         activations=int(activations),

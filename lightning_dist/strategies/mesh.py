@@ -34,6 +34,7 @@ from lightning_dist.contract import (
     declared_cp_spec,
     declared_ep_spec,
     declared_tp_plan,
+    declared_unsharded,
     module_hook,
 )
 from lightning_dist.parallel.clip import clip_grad_norm_
@@ -247,17 +248,17 @@ class MeshStrategy(
             self._layout = RankLayout.of(dims, self.global_rank, parallelized_by="configure_model")
             return  # parallelized by hand in configure_model
         tp_plan = declared_tp_plan(module, dims.tp, options) if dims.tp_enabled else None
-        param_dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))
-        ep_spec = declared_ep_spec(module, dims.ep)
+        dtype = param_dtype_of(str(getattr(self.precision_plugin, "precision", "")))  # FSDP2's compute dtype
+        ep_spec, cp_spec = declared_ep_spec(module, dims.ep), declared_cp_spec(module, dims.cp)
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
-                module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=param_dtype,
-                cp_spec=declared_cp_spec(module, dims.cp), ep_spec=ep_spec, materialize=materialize,
+                module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=dtype,
+                cp_spec=cp_spec, ep_spec=ep_spec, materialize=materialize,
             )  # fmt: skip
             self._layout = self._pipeline.layout
             return
-        done = parallelize(module, dims, options, tp_plan=tp_plan, cp_spec=declared_cp_spec(module, dims.cp),
-                           ep_spec=ep_spec, fsdp_units=declared_blocks(module), param_dtype=param_dtype)  # fmt: skip
+        done = parallelize(module, dims, options, tp_plan=tp_plan, cp_spec=cp_spec, ep_spec=ep_spec, param_dtype=dtype,
+                           fsdp_units=declared_blocks(module), fsdp_ignored=declared_unsharded(module))  # fmt: skip
         self._layout = RankLayout.of(dims, self.global_rank, **vars(done))  # its styles, FSDP2 units and cp attention
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only

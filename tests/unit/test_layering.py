@@ -43,6 +43,7 @@ OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich",
 #: importer -> what it may import so; each such import says why in a comment. Down the layers as any import.
 DEFERRED: dict[str, tuple[str, ...]] = {
     "lightning_dist.config.environment": ("torch",),  # CUDA devices, for cluster.accelerator=gpu / auto
+    "lightning_dist.config.finetune": ("lightning_dist.config.shapes",),  # QLoRA's family; shapes needs the schema
     "lightning_dist.config.pretrained": ("lightning_dist.checkpoint.weights",),  # model.pretrained only
     "lightning_dist.config.shapes": (
         "lightning_dist.models.hf",  # model=hf only

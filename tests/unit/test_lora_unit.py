@@ -104,7 +104,6 @@ def test_targets_name_linear_layers_only() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model.lora.quantize=nf4", r"^model.lora.quantize=nf4 \(QLoRA\) needs CUDA"),
         ("model.lora.dropout=1.5", r"^model.lora.dropout=1.5 must be in \[0, 1\)"),
         ("model.lora.alpha=0", r"^model.lora.alpha=0.0 must be positive"),
         ("parallelism.float8=rowwise", r"^model.lora with parallelism.float8=rowwise: float8 LoRA is not supported"),
