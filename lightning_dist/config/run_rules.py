@@ -21,7 +21,9 @@ def check_run_fields(cfg: TrainConfig) -> None:
             )
     check_loggers(cfg.logger)
     check_trainer(trainer)
-    if cfg.data.kind == "hf" and cfg.data.streaming:  # one endless epoch: a pass over the sources starts the next
+    if (
+        getattr(cfg.data, "kind", None) == "hf" and cfg.data.streaming
+    ):  # one endless epoch: a pass over the sources starts the next
         if trainer.max_steps == -1:
             raise ValueError(
                 "trainer.max_steps=-1 with data.streaming=true: a stream has no epochs (when every source is done it "
