@@ -21,9 +21,8 @@ def check_run_fields(cfg: TrainConfig) -> None:
             )
     check_loggers(cfg.logger)
     check_trainer(trainer)
-    if (
-        getattr(cfg.data, "kind", None) == "hf" and cfg.data.streaming
-    ):  # one endless epoch: a pass over the sources starts the next
+    # A stream is one endless epoch (a pass over the sources starts the next); a user's DataModule has no data.kind.
+    if getattr(cfg.data, "kind", None) == "hf" and cfg.data.streaming:
         if trainer.max_steps == -1:
             raise ValueError(
                 "trainer.max_steps=-1 with data.streaming=true: a stream has no epochs (when every source is done it "
