@@ -94,12 +94,21 @@ def _dispatch_extra_per_row(d_model: int = 128) -> float:
         dist.destroy_process_group()
 
 
+#: The recipe traced on every test run (its rank is also stepped); the others are traced by ``make test-all``.
+FAST = "deepseek_v2_lite_ep_8gpu"
+
+
 @pytest.fixture(scope="module")
-def traced() -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict, float]:
-    return launch(_trace_all, 1, list(RECIPES))[0]
+def traced(request: pytest.FixtureRequest) -> tuple[dict[tuple[str, int], tuple[int, int, int, int]], dict, float]:
+    """The recipes whose tests this session runs, traced in one process (a full-size trace takes 5-15 s)."""
+    selected = [
+        recipe for recipe in RECIPES
+        if any(item.path == request.path and recipe in item.name for item in request.session.items)
+    ]  # fmt: skip
+    return launch(_trace_all, 1, selected or [FAST])[0]
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", [r if r == FAST else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_moe_recipe_ranks_hold_the_planned_states_and_fit_an_h100(recipe: str, traced) -> None:
     from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.cost import estimate
