@@ -198,12 +198,19 @@ def one_row(name: str, smoke: bool, steps: int) -> dict[str, Any]:
             "loss": measured["loss"], "peak_gib": measured.get("peak_gib")}  # fmt: skip
 
 
+#: Variables a launcher (torchrun, Lightning, SLURM) sets for its ranks; a row's own launch picks its own.
+LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"}  # fmt: skip
+
+
 def run_rows(names: list[str], smoke: bool, steps: int, timeout_s: float) -> list[dict[str, Any]]:
     """Each row in a fresh process; a row that fails or runs out of time is one line in the table."""
     results = []
     for name in names:
         row = _run_row(name, smoke, steps, timeout_s)
-        if "EADDRINUSE" in row.get("error", ""):  # its store's free port taken by another job meanwhile: run it again
+        for _ in range(3):  # its store's free port taken by another job between the pick and the bind: again
+            if "EADDRINUSE" not in row.get("error", ""):
+                break
             row = _run_row(name, smoke, steps, timeout_s)
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -216,7 +223,8 @@ def _run_row(name: str, smoke: bool, steps: int, timeout_s: float) -> dict[str, 
     started = time.perf_counter()
     try:
         path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-        env = {**os.environ, "PYTHONPATH": path}
+        # A row is a job of its own: no launcher's rendezvous (a MASTER_PORT another job's store holds) is inherited
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"PYTHONPATH": path}
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
