@@ -49,6 +49,12 @@ def check_finetune(cfg: Any, dims: Any) -> None:
             )
     if cfg.checkpoint.save_hf:
         check_save_hf(cfg.model)
+        if cfg.parallelism.strategy == "ddp":  # Lightning's DDP saves a checkpoint as one file: no folder for hf/
+            raise ValueError(
+                "checkpoint.save_hf=true with parallelism=ddp: Lightning's DDP writes each checkpoint as one file, "
+                "with no folder to hold hf/; use parallelism=fsdp (parallelism.dp_shard=1 replicates as DDP does), or "
+                "lightning-dist-export the checkpoint after the run."
+            )
     if cfg.eval.tasks:
         check_eval(cfg)
 

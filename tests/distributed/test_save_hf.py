@@ -69,6 +69,9 @@ def test_a_model_without_huggingface_names_is_refused_before_launch() -> None:
 
     with pytest.raises(ValueError, match=r"^checkpoint.save_hf=true with model.arch=gpt2: its HuggingFace weights"):
         validate(compose_config([*FAST, "checkpoint.save_hf=true", "model.arch=gpt2"]))
+    # Lightning's DDP saves one file per checkpoint: no folder for hf/ (it failed at the first save: NotADirectoryError)
+    with pytest.raises(ValueError, match=r"^checkpoint.save_hf=true with parallelism=ddp: .* use parallelism=fsdp"):
+        validate(compose_config([*FAST, "checkpoint.save_hf=true", "parallelism=ddp"]))
 
 
 def test_a_model_larger_than_a_shard_is_written_in_files_with_their_index(
