@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from lightning_dist.data.config import HUB_STREAM
 
@@ -62,14 +63,8 @@ def hub_snapshot(field: str, name: str, kind: str = "model") -> Path:
         ValueError: huggingface_hub missing; not cached while offline; not on the hub or not reachable; a node's
             download not done in time (one line each).
     """
-    try:
-        import huggingface_hub  # optional: lightning-dist[hf]
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ValueError(
-            f"{field}={name} is not a local path, and a hub id needs huggingface_hub; pip install "
-            "'lightning-dist[hf]', or give a local folder."
-        ) from None
+    huggingface_hub = _huggingface_hub(field, name)
+    snapshot_download = huggingface_hub.snapshot_download
     repo_id, _, revision = name.partition("@")
     cache, patterns = hub_cache_dir(), list(MODEL_FILES if kind == "model" else DATA_FILES)
     endpoint = os.environ.get("HF_ENDPOINT") or None
@@ -166,14 +161,8 @@ def hub_stream(field: str, name: str) -> str:
         ValueError: huggingface_hub missing; not cached while ``HF_HUB_OFFLINE`` is set; not on the hub or not
             reachable (one line each).
     """
-    try:
-        import huggingface_hub  # optional: lightning-dist[hf]
-        from huggingface_hub import HfApi, snapshot_download
-    except ImportError:
-        raise ValueError(
-            f"{field}={name} is not a local path, and a hub id needs huggingface_hub; pip install "
-            "'lightning-dist[hf]', or give a local folder."
-        ) from None
+    huggingface_hub = _huggingface_hub(field, name)
+    HfApi, snapshot_download = huggingface_hub.HfApi, huggingface_hub.snapshot_download
     repo_id, _, revision = name.partition("@")
     cache, errors = hub_cache_dir(), (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError)
     try:
@@ -196,3 +185,16 @@ def hub_stream(field: str, name: str) -> str:
             "`hf auth login` for a gated repo), or give a local folder."
         ) from None
     return f"{HUB_STREAM}{repo_id}@{info.sha or revision or 'main'}"
+
+
+def _huggingface_hub(field: str, name: str) -> Any:
+    """The ``huggingface_hub`` module (the optional extra ``lightning-dist[hf]``), or a one-line error naming the
+    field whose hub id needs it."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ValueError(
+            f"{field}={name} is not a local path, and a hub id needs huggingface_hub; pip install "
+            "'lightning-dist[hf]', or give a local folder."
+        ) from None
+    return huggingface_hub
