@@ -210,8 +210,14 @@ class ParallelDims:
         degrees = self.degrees
         if self.ep == 1:
             return list(degrees.items())
-        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), (EFSDP, self.dp_shard // self.ep),
-                ("cp", self.cp), (EP, self.ep), ("tp", self.tp)]  # fmt: skip
+        return [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            (EFSDP, self.dp_shard // self.ep),
+            ("cp", self.cp),
+            (EP, self.ep),
+            ("tp", self.tp),
+        ]
 
     def dp_rank(self, rank: int) -> int:
         """Data-parallel index of ``rank``: ranks with the same index must read the same batches."""

@@ -123,8 +123,12 @@ class EvalCallback(pl.Callback):
         if every_n_steps < 1:
             raise ValueError(f"EvalCallback(every_n_steps={every_n_steps}) must be >= 1.")
         self.checkpoints, self.tasks, self.every_n_steps = Path(checkpoints), list(tasks), every_n_steps
-        self.options = {"include_path": include_path, "limit": limit, "num_fewshot": num_fewshot,
-                        "batch_size": batch_size}  # fmt: skip
+        self.options = {
+            "include_path": include_path,
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+            "batch_size": batch_size,
+        }
         self.history: list[dict[str, float]] = []  #: each evaluation's metrics with its ``step``
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -47,10 +47,19 @@ _PREFIX = "state_dict."  # Lightning's checkpoint key of the module's weights; D
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: What an exported folder takes from the HuggingFace folder the run started from (those of them it holds).
 HF_EXTRA_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
-)  # fmt: skip
+)
 
 
 class Checkpoint:
@@ -149,9 +158,11 @@ def export_hf(ckpt: Checkpoint, out: Path, dtype: torch.dtype | None = None, max
     config, plan = _hf_plan(ckpt)
     shards = list(_shards(ckpt, plan, dtype, max_shard_bytes))
     out.mkdir(parents=True, exist_ok=True)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]  # fmt: skip
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for filename, shard in zip(names, shards):
         tensors: dict[str, Tensor] = {}
@@ -178,8 +189,11 @@ def copy_tokenizer_files(source: Path, out: Path) -> list[str]:
     """Copy the tokenizer files and ``generation_config.json`` the HuggingFace folder ``source`` holds (the folder
     the run started from) into ``out``; returns the names copied. A folder no longer there is a warning only."""
     if not source.is_dir():
-        warnings.warn(f"the run started from {source}, which is gone: no tokenizer copied next to the weights; copy "
-                      "its tokenizer files into the exported folder yourself.", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"the run started from {source}, which is gone: no tokenizer copied next to the weights; copy "
+            "its tokenizer files into the exported folder yourself.",
+            stacklevel=2,
+        )
         return []
     copied = []
     for name in HF_EXTRA_FILES:

@@ -171,8 +171,10 @@ def load_optimizers(
             f"{len(optimizers)} optimizers; resume with the optimizers the checkpoint was written with."
         )
     name_of = {param: _unwrapped(name) for name, param in model.named_parameters()}  # as torch names them
-    mine = [[[names.aliases.get(name_of[p], name_of[p]) for p in g["params"]] for g in opt.param_groups]
-            for opt in optimizers]  # fmt: skip
+    mine = [
+        [[names.aliases.get(name_of[p], name_of[p]) for p in g["params"]] for g in opt.param_groups]
+        for opt in optimizers
+    ]
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()

@@ -95,9 +95,16 @@ def _adapter_config(lora: Any, names: dict[str, str], hp: dict[str, Any]) -> dic
     import peft  # optional dependency: lightning-dist[hf]
 
     layers = sorted({name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for name in names.values()})
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=layers,
-                             bias="none", task_type="CAUSAL_LM", base_model_name_or_path=hp.get("hf_source"),
-                             fan_in_fan_out=(hp.get("hf_config") or {}).get("model_type") == "gpt2")  # fmt: skip
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=layers,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=hp.get("hf_source"),
+        fan_in_fan_out=(hp.get("hf_config") or {}).get("model_type") == "gpt2",
+    )
     return config.to_dict() | {"target_modules": layers, "peft_type": "LORA", "task_type": "CAUSAL_LM"}
 
 

@@ -41,9 +41,12 @@ def model_card(repo_id: str, hyper_parameters: dict[str, Any], report: dict[str,
     meta += [f"base_model: {base}"] if base else []
     meta += ["pipeline_tag: text-generation", "---", ""]
     what = "a LoRA adapter" if lora else "a causal language model"
-    lines = [f"# {repo_id.split('/')[-1]}", "",
-             f"{what[0].upper()}{what[1:]} trained with lightning-dist "
-             f"{'on ' + base if base else 'from scratch'}.", ""]  # fmt: skip
+    lines = [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"{what[0].upper()}{what[1:]} trained with lightning-dist {'on ' + base if base else 'from scratch'}.",
+        "",
+    ]
     rows = [("base model", base or "none (random initialization)")]
     if lora:
         targets = ", ".join(lora.targets) if lora.targets else "every linear layer of the blocks"
@@ -63,8 +66,16 @@ def model_card(repo_id: str, hyper_parameters: dict[str, Any], report: dict[str,
     lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     curve = [(int(r["step"]), float(r["train/loss"])) for r in (report or {}).get("history", []) if "train/loss" in r]
     if curve:
-        lines += ["## Training loss", "", f"`{sparkline([loss for _, loss in curve])}`", "", "| step | train/loss |",
-                  "|---:|---:|", *(f"| {s} | {loss:.4f} |" for s, loss in _thin(curve, 12)), ""]  # fmt: skip
+        lines += [
+            "## Training loss",
+            "",
+            f"`{sparkline([loss for _, loss in curve])}`",
+            "",
+            "| step | train/loss |",
+            "|---:|---:|",
+            *(f"| {s} | {loss:.4f} |" for s, loss in _thin(curve, 12)),
+            "",
+        ]
     usage = _usage(repo_id, base, lora is not None)
     return "\n".join([*meta, *lines, "## Use", "", "```python", *usage, "```", ""])
 
@@ -86,12 +97,19 @@ def _thin(points: list[tuple[int, float]], most: int) -> list[tuple[int, float]]
 
 def _usage(repo_id: str, base: str | None, adapter: bool) -> list[str]:
     if adapter:
-        return ["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer", "",
-                f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")',
-                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")']  # fmt: skip
-    return ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")']  # fmt: skip
+        return [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        ]
+    return [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+    ]
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False, message: str | None = None) -> str:
@@ -108,8 +126,9 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False, message: str 
     api = huggingface_hub.HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
-                                   commit_message=message or f"Upload {folder.name} (lightning-dist)")  # fmt: skip
+        commit = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), commit_message=message or f"Upload {folder.name} (lightning-dist)"
+        )
     except (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(

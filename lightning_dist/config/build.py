@@ -33,9 +33,16 @@ def build_module(cfg: TrainConfig) -> pl.LightningModule:
         # Built in configure_model (on the meta device under our layouts); every weight is read after it when the
         # run starts from weights (init_from, which model.pretrained sets) or continues from a checkpoint.
         loaded = cfg.init_from is not None or cfg.ckpt_path is not None
-        return HFCausalLM(hf_config(model), cfg.optim, cfg.trainer.max_steps, init_seed=cfg.seed,
-                          random_init=not loaded, hf_source=source,
-                          allow_untested_family=model.allow_untested_family, lora=model.lora)  # fmt: skip
+        return HFCausalLM(
+            hf_config(model),
+            cfg.optim,
+            cfg.trainer.max_steps,
+            init_seed=cfg.seed,
+            random_init=not loaded,
+            hf_source=source,
+            allow_untested_family=model.allow_untested_family,
+            lora=model.lora,
+        )
     module = model.build()
     if not isinstance(module, pl.LightningModule):
         raise ValueError(

@@ -72,8 +72,16 @@ def hub_snapshot(field: str, name: str, kind: str = "model") -> Path:
 
     def cached() -> Path | None:
         try:
-            return Path(snapshot_download(repo_id, repo_type=kind, revision=revision or None, cache_dir=cache,
-                                          allow_patterns=patterns, local_files_only=True))  # fmt: skip
+            return Path(
+                snapshot_download(
+                    repo_id,
+                    repo_type=kind,
+                    revision=revision or None,
+                    cache_dir=cache,
+                    allow_patterns=patterns,
+                    local_files_only=True,
+                )
+            )
         except errors:  # not cached (LocalEntryNotFoundError), or not a valid hub id (HFValidationError)
             return None
 
@@ -91,8 +99,16 @@ def hub_snapshot(field: str, name: str, kind: str = "model") -> Path:
         return _wait_for(marker, cached, field, name)
     started = time.monotonic()
     try:
-        folder = Path(snapshot_download(repo_id, repo_type=kind, revision=revision or None, cache_dir=cache,
-                                        allow_patterns=patterns, endpoint=endpoint))  # fmt: skip
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                repo_type=kind,
+                revision=revision or None,
+                cache_dir=cache,
+                allow_patterns=patterns,
+                endpoint=endpoint,
+            )
+        )
     except errors as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
@@ -166,8 +182,16 @@ def hub_stream(field: str, name: str) -> str:
     repo_id, _, revision = name.partition("@")
     cache, errors = hub_cache_dir(), (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError)
     try:
-        return str(snapshot_download(repo_id, repo_type="dataset", revision=revision or None, cache_dir=cache,
-                                     allow_patterns=list(DATA_FILES), local_files_only=True))  # fmt: skip
+        return str(
+            snapshot_download(
+                repo_id,
+                repo_type="dataset",
+                revision=revision or None,
+                cache_dir=cache,
+                allow_patterns=list(DATA_FILES),
+                local_files_only=True,
+            )
+        )
     except errors:  # not cached: streamed
         pass
     if offline():

@@ -199,8 +199,13 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
     if isinstance(cfg.model, HFModelConfig):  # each layout of a HuggingFace family: exact, or refused here
         start = "pretrained" if cfg.model.pretrained is not None or cfg.init_from is not None else "init"
         check_hf_moe(hf_config(cfg.model), dims.ep)
-        check_family(hf_config(cfg.model), {**dims.degrees, "ep": dims.ep}, start, cfg.model.allow_untested_family,
-                     cfg.parallelism.loss_chunks)  # fmt: skip
+        check_family(
+            hf_config(cfg.model),
+            {**dims.degrees, "ep": dims.ep},
+            start,
+            cfg.model.allow_untested_family,
+            cfg.parallelism.loss_chunks,
+        )
     if not dims.pp_enabled:
         return
     num_stages = dims.pp * par.stages_per_rank

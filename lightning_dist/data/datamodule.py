@@ -136,8 +136,9 @@ class TokenDataModule(pl.LightningDataModule):
             raise ValueError(f"split={split!r} is unknown; use 'train' or 'val'")
         self.setup()
         if split not in self._datasets:
-            raise ValueError(f"data.streaming=true has no {split} dataset to index (train is a stream; val needs "
-                             "data.val_path)")  # fmt: skip
+            raise ValueError(
+                f"data.streaming=true has no {split} dataset to index (train is a stream; val needs data.val_path)"
+            )
         return self._datasets[split]
 
     def data_parallel_info(self) -> tuple[int, int]:

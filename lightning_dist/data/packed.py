@@ -218,8 +218,10 @@ class PackedDataset(Dataset):
         if self._counts is None:
             mask = np.load(self.folder / "mask.npy", mmap_mode="r")
             rows = max(1, (64 << 20) // mask.shape[1])
-            chunks = [mask[self.windows[start : start + rows], 1:].sum(axis=1, dtype=np.int64)
-                      for start in range(0, len(self), rows)]  # fmt: skip
+            chunks = [
+                mask[self.windows[start : start + rows], 1:].sum(axis=1, dtype=np.int64)
+                for start in range(0, len(self), rows)
+            ]
             self._counts = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         return self._counts
 

@@ -107,8 +107,12 @@ class StreamedWindows(IterableDataset):
         """The position now: the next window's global index, the pass over the sources (0 first), the mixture's state,
         the tokens not yet packed."""
         stream = self._stream_state or self.stream.state_dict()
-        return {"window": self._window, "pass": self._pass, "stream": copy.deepcopy(stream),
-                "buffer": list(self._buffer)}  # fmt: skip
+        return {
+            "window": self._window,
+            "pass": self._pass,
+            "stream": copy.deepcopy(stream),
+            "buffer": list(self._buffer),
+        }
 
     def state_at(self, window: int) -> dict[str, Any]:
         """The state before global window ``window`` (a multiple of the world size among the last ``kept``)."""
@@ -139,8 +143,11 @@ class StreamedWindows(IterableDataset):
                 raise ValueError("data.path: the streamed sources hold no records; point data.path at your text.")
             whole, self._pass = True, self._pass + 1
             if self.rank == 0:
-                log.info("data.streaming: every source is done after %d windows; pass %d starts", self._window,
-                         self._pass + 1)  # fmt: skip
+                log.info(
+                    "data.streaming: every source is done after %d windows; pass %d starts",
+                    self._window,
+                    self._pass + 1,
+                )
             self.stream.load_state_dict(copy.deepcopy(self._start))
             self._stream_state = copy.deepcopy(self._start)
 

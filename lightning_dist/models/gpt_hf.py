@@ -30,11 +30,18 @@ _LLAMA_LAYER = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-_LLAMA_TOP = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "head.weight": "lm_head.weight"}  # fmt: skip
-_GPT2_TOP = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight",
-             "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
-             "head.weight": "lm_head.weight"}  # fmt: skip
+_LLAMA_TOP = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+_GPT2_TOP = {
+    "tok_emb.weight": "transformer.wte.weight",
+    "pos_emb.weight": "transformer.wpe.weight",
+    "norm.weight": "transformer.ln_f.weight",
+    "norm.bias": "transformer.ln_f.bias",
+    "head.weight": "lm_head.weight",
+}
 #: GPT-2 layer tensors that map one to one (Conv1D weights transposed).
 _GPT2_LAYER = {
     "attn_norm.weight": "ln_1.weight",

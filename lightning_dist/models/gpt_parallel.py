@@ -140,9 +140,13 @@ def gpt_tensor_parallel_plan(
     if moe:
         if sequence_parallel:  # the router and the experts see every token of the sequence
             plan[f"{block}moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-            )  # fmt: skip
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
         if cfg.moe.shared_experts:
             plan[f"{block}moe.shared.gate_proj"] = ColwiseParallel()
             plan[f"{block}moe.shared.up_proj"] = ColwiseParallel()

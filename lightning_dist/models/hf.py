@@ -47,10 +47,25 @@ from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.expert import ExpertParallelSpec
 from lightning_dist.parallel.pipeline import PipelineSpec
 
-_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
-_TINY_GPT2 = {"vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256,
-              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+_TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+_TINY_GPT2 = {
+    "vocab_size": 256,
+    "n_embd": 64,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_positions": 256,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 #: ``model=hf model.config=<name>``: tiny configs of the families we test (built locally, nothing downloaded).
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny_llama": ("LlamaConfig", _TINY),

@@ -63,8 +63,11 @@ def check_family(
         )
     names = {"init": "model.config", "pretrained": "model.pretrained"}
     checks = [(start, names[start])] if start is not None else []
-    checks += [(column, f"parallelism.{axis}={degrees[axis]}") for axis, column in AXIS_COLUMNS.items()
-               if degrees.get(axis, 1) > 1]  # fmt: skip
+    checks += [
+        (column, f"parallelism.{axis}={degrees[axis]}")
+        for axis, column in AXIS_COLUMNS.items()
+        if degrees.get(axis, 1) > 1
+    ]
     if loss_chunks > 0:
         checks.append(("chunked", f"parallelism.loss_chunks={loss_chunks}"))
     for column, what in checks:

@@ -87,8 +87,11 @@ def hf_tensor_parallel_plan(model: nn.Module, blocks: str, prefix: str = "") -> 
     names = [n for n, _ in model.named_modules() if n]
     # A family's plan names every kind of layer it has (Qwen3-MoE's dense MLP beside the sparse one); a config with
     # none of one kind leaves its entries matching nothing, which a plan given by hand is refused for (a typo).
-    shipped = {p: s for p, s in dict(getattr(model, "tp_plan", None) or {}).items()
-               if ".experts" not in p and any(fnmatch.fnmatchcase(n, p) for n in names)}  # fmt: skip
+    shipped = {
+        p: s
+        for p, s in dict(getattr(model, "tp_plan", None) or {}).items()
+        if ".experts" not in p and any(fnmatch.fnmatchcase(n, p) for n in names)
+    }
     if not shipped:
         shipped = _llama_plan(model, blocks)
     if not shipped:

@@ -128,8 +128,12 @@ def to_keeping_adapters(to: Callable[..., T], model: nn.Module, *args: Any, **kw
     device, dtype = _to_arguments(*args, **kwargs)
     if dtype not in _HALF:
         return to(*args, **kwargs)
-    kept = [(holder, module) for name, holder in model.named_modules() if name.endswith((".lora_A", ".lora_B"))
-            if isinstance(module := holder[ADAPTER], nn.Module) and module.weight.dtype == torch.float32]  # fmt: skip
+    kept = [
+        (holder, module)
+        for name, holder in model.named_modules()
+        if name.endswith((".lora_A", ".lora_B"))
+        if isinstance(module := holder[ADAPTER], nn.Module) and module.weight.dtype == torch.float32
+    ]
     for holder, _ in kept:  # out of the module tree while it converts (ModuleDict entries: public API)
         holder[ADAPTER] = nn.Identity()
     try:

@@ -121,9 +121,14 @@ def parallelize(
             # The experts first, each its own unit over the ranks holding the same experts (the blocks' units then
             # leave their parameters alone).
             wrapped += apply_expert_fsdp(
-                module, ep_spec, dims, param_dtype=param_dtype, cpu_offload=options.cpu_offload,
-                reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
-            )  # fmt: skip
+                module,
+                ep_spec,
+                dims,
+                param_dtype=param_dtype,
+                cpu_offload=options.cpu_offload,
+                reshard_after_forward=reshard_after_forward,
+                reduce_dtype=reduce_dtype,
+            )
         # FSDP2 keeps a shared parameter one parameter only inside one unit: modules that share one are wrapped
         # together (a unit holding one is left to the root that holds the rest).
         tied = {id(module.get_parameter(group[0])) for group in ties}

@@ -167,8 +167,10 @@ _ring_users = 0  # TorchRingAttention uses enabled in this process: torch's CP d
 
 def _ring_kernel_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
     params = cuda.SDPAParams(q, k, v, None, 0.0, True, k.shape[1] != q.shape[1])
-    return any(can(params) for can in (cuda.can_use_flash_attention, cuda.can_use_efficient_attention,
-                                       cuda.can_use_cudnn_attention))  # fmt: skip
+    return any(
+        can(params)
+        for can in (cuda.can_use_flash_attention, cuda.can_use_efficient_attention, cuda.can_use_cudnn_attention)
+    )
 
 
 class TorchRingAttention:
@@ -261,8 +263,10 @@ class TorchRingAttention:
             error = self._difference(q, k, v, scale, repeat)
             if error > _AGREE.get(q.dtype, 1e-4):
                 repeat = None
-                why = (f"torch's ring attention differs from the exact attention by {error:.3g} (relative) on q "
-                       f"{tuple(q.shape)} {q.dtype}")  # fmt: skip
+                why = (
+                    f"torch's ring attention differs from the exact attention by {error:.3g} (relative) on q "
+                    f"{tuple(q.shape)} {q.dtype}"
+                )
                 if self.fallback is None:
                     raise ValueError(f"cp_attention=torch: {why}; set cp_attention=allgather.")
         if repeat is None and self.fallback is not None:

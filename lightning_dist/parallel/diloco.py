@@ -190,10 +190,17 @@ class DiLoCo:
         if options.diloco_fragments > 1:
             fragments = build_fragments([(n, p.numel()) for n, p in params], options.diloco_fragments, blocks)
         return cls(
-            params, group, fragments=fragments, every=options.diloco_every, outer_lr=options.diloco_outer_lr,
-            outer_momentum=options.diloco_outer_momentum, nesterov=options.diloco_nesterov,
-            delay=options.diloco_delay, alpha=options.diloco_alpha, compression=options.diloco_compression,
-        )  # fmt: skip
+            params,
+            group,
+            fragments=fragments,
+            every=options.diloco_every,
+            outer_lr=options.diloco_outer_lr,
+            outer_momentum=options.diloco_outer_momentum,
+            nesterov=options.diloco_nesterov,
+            delay=options.diloco_delay,
+            alpha=options.diloco_alpha,
+            compression=options.diloco_compression,
+        )
 
     def syncs_at(self, step: int) -> list[int]:
         """The fragments whose exchange starts after inner step ``step`` (1-based)."""
@@ -221,10 +228,12 @@ class DiLoCo:
         with torch.no_grad():
             locals_ = [_local(self._params[name]) for name in names]
             device = locals_[0].device
-            delta = torch.cat([
-                (self.backup[name].to(device, non_blocking=True) - local.float()).reshape(-1)
-                for name, local in zip(names, locals_)
-            ])  # fmt: skip
+            delta = torch.cat(
+                [
+                    (self.backup[name].to(device, non_blocking=True) - local.float()).reshape(-1)
+                    for name, local in zip(names, locals_)
+                ]
+            )
         sizes = exchange_sizes(delta.numel(), self.compression, self.num_replicas)
         self.bytes_last_sync = sum(size for _, size in sizes) if self.group is not None else 0
         self.bytes_total += self.bytes_last_sync

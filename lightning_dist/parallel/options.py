@@ -38,8 +38,17 @@ CP_ATTENTIONS = ("auto", "allgather", "torch")
 CP_ROTATES = ("allgather", "alltoall")
 #: Tensor-parallel style names a plan may give (``parallel/tensor.py: STYLE_NAMES`` makes them torch styles; here
 #: without torch, for the checks before launch).
-TP_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_gather_output", "colwise_rep", "rowwise_split_input",
-                  "rowwise_rep", "embedding_rowwise", "replicated_with_grad_allreduce")  # fmt: skip
+TP_STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "sequence",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "replicated_with_grad_allreduce",
+)
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 #: float8 training of the blocks' linear layers (torchao; :mod:`lightning_dist.parallel.float8`): one scale per

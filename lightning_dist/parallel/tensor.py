@@ -194,6 +194,7 @@ def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> int:
             local = param.grad.to_local()
             summed = flat[offset : offset + local.numel()].view_as(local)
             offset += local.numel()
-            param.grad = DTensor.from_local(summed, mesh, param.placements, run_check=False,
-                                            shape=param.grad.shape, stride=param.grad.stride())  # fmt: skip
+            param.grad = DTensor.from_local(
+                summed, mesh, param.placements, run_check=False, shape=param.grad.shape, stride=param.grad.stride()
+            )
     return sum(len(params) for params in pending.values())

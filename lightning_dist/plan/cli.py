@@ -77,8 +77,9 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     tokens = cfg.plan.tokens
     if tokens is not None:
         price = cfg.plan.price_per_gpu_hour
-        rows = cost_curve(cfg.model, cfg.hardware, seq_len, batch, cfg.plan, float(tokens), price,
-                          diloco_fields(cfg.parallelism))  # fmt: skip
+        rows = cost_curve(
+            cfg.model, cfg.hardware, seq_len, batch, cfg.plan, float(tokens), price, diloco_fields(cfg.parallelism)
+        )
         if cfg.plan.format == "json":
             print(json.dumps([row.to_json() for row in rows], indent=1))
         else:
@@ -86,8 +87,17 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
         return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
     par = cfg.parallelism  # every layout: the run's float8, loss_chunks and cpu_offload
     fixed = {"float8": par.float8, "loss_chunks": par.loss_chunks, "cpu_offload": par.cpu_offload}
-    found = rank(cfg.model, cfg.hardware, world, seq_len, batch, cfg.plan, diloco_fields(cfg.parallelism),
-                 context_parallel, fixed)  # fmt: skip
+    found = rank(
+        cfg.model,
+        cfg.hardware,
+        world,
+        seq_len,
+        batch,
+        cfg.plan,
+        diloco_fields(cfg.parallelism),
+        context_parallel,
+        fixed,
+    )
     if not found:
         raise ValueError(
             f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
@@ -114,22 +124,52 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
     hw = cfg.hardware
     fitting = [e for e in found if e.fits]
     shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
-    table = Table(title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
-                  f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step")  # fmt: skip
-    for column in ("#", "pp", "tp", "cp", "dp rep x shard", "ep", "schedule", "m", "mb", "AC", "sync", "GiB",
-                   "tok/s/dev", "MFU", "bubble", "exposed comm ms (axis)", "fits"):  # fmt: skip
+    table = Table(
+        title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
+        f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step"
+    )
+    for column in (
+        "#",
+        "pp",
+        "tp",
+        "cp",
+        "dp rep x shard",
+        "ep",
+        "schedule",
+        "m",
+        "mb",
+        "AC",
+        "sync",
+        "GiB",
+        "tok/s/dev",
+        "MFU",
+        "bubble",
+        "exposed comm ms (axis)",
+        "fits",
+    ):
         table.add_column(column, justify="right" if column not in ("schedule", "AC", "sync") else "left")
     for i, e in enumerate(shown, 1):
         lay = e.layout
         comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
         table.add_row(
-            str(i), str(lay.pp), str(lay.tp), str(lay.cp), f"{lay.dp_replicate} x {lay.dp_shard}", str(lay.ep),
-            f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-", str(lay.microbatches),
-            str(lay.micro_batch), lay.ac if lay.ac != "selective" else lay.ac_selective,
-            lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step", f"{e.memory.total / GIB:.1f}",
+            str(i),
+            str(lay.pp),
+            str(lay.tp),
+            str(lay.cp),
+            f"{lay.dp_replicate} x {lay.dp_shard}",
+            str(lay.ep),
+            f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-",
+            str(lay.microbatches),
+            str(lay.micro_batch),
+            lay.ac if lay.ac != "selective" else lay.ac_selective,
+            lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step",
+            f"{e.memory.total / GIB:.1f}",
             f"{e.tokens_per_sec_per_device:,.0f}",
-            f"{e.mfu:.1%}", f"{e.bubble_fraction:.2f}", comm, "yes" if e.fits else "no",
-        )  # fmt: skip
+            f"{e.mfu:.1%}",
+            f"{e.bubble_fraction:.2f}",
+            comm,
+            "yes" if e.fits else "no",
+        )
     console = Console(width=180)
     console.print(table)
     if shown:
@@ -141,11 +181,23 @@ def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
 def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: float | None) -> None:
     hw = cfg.hardware
     params = stage_params(cfg.model, 1) / 1e9
-    table = Table(title=f"{params:.1f}B parameters, {tokens:.3g} tokens, {cfg.data.global_batch_size} x "
-                  f"{cfg.data.seq_len} tokens per step, {hw.name}, {hw.inter_node_gbps:g} GB/s per GPU between nodes"
-                  + (f", ${price:g} per GPU-hour" if price else ""))  # fmt: skip
-    for column in ("GPUs", "sync: best layout", "tok/s", "time", "cost", "DiLoCo: best layout", "tok/s", "time",
-                   "cost", "DiLoCo / sync"):  # fmt: skip
+    table = Table(
+        title=f"{params:.1f}B parameters, {tokens:.3g} tokens, {cfg.data.global_batch_size} x "
+        f"{cfg.data.seq_len} tokens per step, {hw.name}, {hw.inter_node_gbps:g} GB/s per GPU between nodes"
+        + (f", ${price:g} per GPU-hour" if price else "")
+    )
+    for column in (
+        "GPUs",
+        "sync: best layout",
+        "tok/s",
+        "time",
+        "cost",
+        "DiLoCo: best layout",
+        "tok/s",
+        "time",
+        "cost",
+        "DiLoCo / sync",
+    ):
         table.add_column(column, justify="left" if "layout" in column else "right")
     for row in rows:
         cells = [str(row.gpus)]
@@ -160,8 +212,10 @@ def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: f
         table.add_row(*cells)
     console = Console(width=180)
     console.print(table)
-    console.print("time = tokens / (tokens/s per GPU x GPUs); cost = time in hours x price per GPU-hour x GPUs; "
-                  "DiLoCo's loss at the same tokens is not modelled (see docs/planner.md)")  # fmt: skip
+    console.print(
+        "time = tokens / (tokens/s per GPU x GPUs); cost = time in hours x price per GPU-hour x GPUs; "
+        "DiLoCo's loss at the same tokens is not modelled (see docs/planner.md)"
+    )
     _print_device(console, cfg)
 
 
@@ -180,10 +234,21 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
     """``cfg`` set to run ``lay`` (the parallelism fields and the micro batch), e.g. to trace or train it."""
     # The planner's replicas are the mesh strategy's (FSDP2 on a (dp_replicate, dp_shard=1) mesh), not Lightning's DDP.
     strategy = "pipeline_parallel" if lay.pp > 1 else ("tensor_parallel" if lay.tp > 1 else "fsdp")
-    par = replace(cfg.parallelism, strategy=strategy, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
-                  tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule,
-                  stages_per_rank=lay.stages_per_rank, microbatches=lay.microbatches if lay.pp > 1 else None,
-                  activation_checkpointing=lay.ac, ac_selective=lay.ac_selective)  # fmt: skip
+    par = replace(
+        cfg.parallelism,
+        strategy=strategy,
+        dp_replicate=lay.dp_replicate,
+        dp_shard=lay.dp_shard,
+        tp=lay.tp,
+        pp=lay.pp,
+        cp=lay.cp,
+        ep=lay.ep,
+        schedule=lay.schedule,
+        stages_per_rank=lay.stages_per_rank,
+        microbatches=lay.microbatches if lay.pp > 1 else None,
+        activation_checkpointing=lay.ac,
+        ac_selective=lay.ac_selective,
+    )
     per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
     cluster = replace(cfg.cluster, devices=per_node, accelerator="cpu", precision="bf16-mixed")
     return replace(cfg, parallelism=par, cluster=cluster, data=replace(cfg.data, micro_batch_size=lay.micro_batch))
@@ -200,19 +265,25 @@ def _print_trace(cfg: TrainConfig, best: Estimate) -> None:
     if traced.collectives is None:
         print("  (a pipeline rank: traced for its parameters only, not stepped)")
         return
-    parts = [("gradient bytes", traced.grad_bytes, memory.grads), ("optimizer bytes", traced.optimizer_bytes,
-             memory.optimizer)]  # fmt: skip
+    parts = [
+        ("gradient bytes", traced.grad_bytes, memory.grads),
+        ("optimizer bytes", traced.optimizer_bytes, memory.optimizer),
+    ]
     if traced.peak_bytes:  # the planner's total without its allocator margin
         parts.append(("peak bytes (MemTracker)", traced.peak_bytes, int(memory.total / (1 + memory.margin))))
     for name, got, want in parts:
         print(f"  {name} {got:,}, analytic {want:,} ({(got - want) / want:+.2%})")
     seq = cfg.data.seq_len
-    planned = per_axis(step_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0, loop=False)
-                       + expert_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0))  # fmt: skip
+    planned = per_axis(
+        step_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0, loop=False)
+        + expert_collectives(cfg.model, lay, seq, "bf16-mixed", stage=0)
+    )
     for axis in sorted(set(planned) | set(traced.collectives)):
         got, want = traced.collectives.get(axis, {}), planned.get(axis, {})
-        print(f"  comm/{axis}: traced {got.get('bytes', 0):,} bytes in {got.get('calls', 0)} calls, "
-              f"analytic {want.get('bytes', 0):,} bytes in {want.get('calls', 0)} calls")  # fmt: skip
+        print(
+            f"  comm/{axis}: traced {got.get('bytes', 0):,} bytes in {got.get('calls', 0)} calls, "
+            f"analytic {want.get('bytes', 0):,} bytes in {want.get('calls', 0)} calls"
+        )
 
 
 def _trace(cfg: TrainConfig, step: bool, memory: bool) -> RankTrace:

@@ -67,9 +67,24 @@ def block_tensors(cfg: GPTConfig, tp: int, sequence_parallel: bool = True) -> li
     if cfg.arch == "gpt2":  # LayerNorms and biases (a Megatron-style plan: our strategy's TP is llama-only)
         kv = cfg.kv_heads * hd // tp
         q = cfg.n_heads * hd // tp
-        return [Tensor(h, 1, sp), Tensor(h, 1, sp), Tensor(q, h), Tensor(q, 1), Tensor(kv, h), Tensor(kv, 1),
-                Tensor(kv, h), Tensor(kv, 1), Tensor(h, q), Tensor(h, 1, sp), Tensor(h, 1, sp), Tensor(h, 1, sp),
-                Tensor(f // tp, h), Tensor(f // tp, 1), Tensor(h, f // tp), Tensor(h, 1, sp)]  # fmt: skip
+        return [
+            Tensor(h, 1, sp),
+            Tensor(h, 1, sp),
+            Tensor(q, h),
+            Tensor(q, 1),
+            Tensor(kv, h),
+            Tensor(kv, 1),
+            Tensor(kv, h),
+            Tensor(kv, 1),
+            Tensor(h, q),
+            Tensor(h, 1, sp),
+            Tensor(h, 1, sp),
+            Tensor(h, 1, sp),
+            Tensor(f // tp, h),
+            Tensor(f // tp, 1),
+            Tensor(h, f // tp),
+            Tensor(h, 1, sp),
+        ]
     return [
         Tensor(h, 1, sp),  # attention norm
         Tensor(cfg.n_heads * hd // tp, h),
@@ -281,8 +296,13 @@ def step_collectives(
         add("pp", "broadcast", 4, batches if loop else 0, "PP: loss from the last stage")
         add("pp", "all_reduce", 4, 1, "gradient norm over stages")
         if cfg.tie_embeddings and any(first or last for _, first, last in units):
-            add("pp" if pp == 2 else "other", "all_reduce", cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce, 1,
-                "tied embedding gradient")  # fmt: skip
+            add(
+                "pp" if pp == 2 else "other",
+                "all_reduce",
+                cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce,
+                1,
+                "tied embedding gradient",
+            )
     return out
 
 
@@ -331,8 +351,10 @@ def fragment_elements(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     # Local sizes decide the split here, whole-tensor sizes in the strategy: they differ only by the replicated norm
     # weights (d_model elements against a block's millions), which moves no boundary.
     sizes = dict(named)
-    return [sum(sizes[name] for name in fragment) for fragment in build_fragments(named, lay.options.diloco_fragments,
-                                                                                  blocks)]  # fmt: skip
+    return [
+        sum(sizes[name] for name in fragment)
+        for fragment in build_fragments(named, lay.options.diloco_fragments, blocks)
+    ]
 
 
 def recomputed_blocks(layout: Layout, blocks: int) -> int:

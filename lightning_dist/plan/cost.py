@@ -137,8 +137,9 @@ def rank_params(cfg: GPTConfig, pp: int, stages_per_rank: int = 1, schedule: str
     if pp == 1:
         return [int(sum(costs))]
     groups = stage_split(cfg, pp * stages_per_rank)
-    return [int(sum(costs[i] for s in stage_ids(r, pp, stages_per_rank, schedule) for i in groups[s]))
-            for r in range(pp)]  # fmt: skip
+    return [
+        int(sum(costs[i] for s in stage_ids(r, pp, stages_per_rank, schedule) for i in groups[s])) for r in range(pp)
+    ]
 
 
 def estimate(
@@ -240,8 +241,9 @@ def memory_factor(hw: HardwareConfig) -> float:
     return 1 - MEMORY_BOUND_SHARE + MEMORY_BOUND_SHARE * REFERENCE_MEMORY_TBPS / tbps
 
 
-def _outer_sync(cfg: GPTConfig, lay: Layout, hw: HardwareConfig, comm: dict[str, dict[str, float]],
-                inner_s: float) -> float:  # fmt: skip
+def _outer_sync(
+    cfg: GPTConfig, lay: Layout, hw: HardwareConfig, comm: dict[str, dict[str, float]], inner_s: float
+) -> float:
     """Add DiLoCo's outer sync to ``comm["dp_replicate"]`` as a per-step average; its exposed seconds per step.
 
     Each fragment's exchange blocks (tau = 0) or overlaps tau inner steps of ``inner_s`` (the link otherwise idle);

@@ -67,8 +67,11 @@ class Row:
     diloco: Point | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "sync": self.sync and self.sync.to_json(),
-                "diloco": self.diloco and self.diloco.to_json()}  # fmt: skip
+        return {
+            "gpus": self.gpus,
+            "sync": self.sync and self.sync.to_json(),
+            "diloco": self.diloco and self.diloco.to_json(),
+        }
 
 
 def gpu_counts(plan: PlanConfig, gpus_per_node: int) -> list[int]:
@@ -114,10 +117,11 @@ def cost_curve(
     for gpus in gpu_counts(plan, hw.gpus_per_node):
         fitting = [e for e in rank(model, hw, gpus, seq_len, global_batch, plan, diloco) if e.fits]
         best = {
-            kind: next((Point(e, gpus, tokens, price_per_gpu_hour) for e in fitting if e.layout.diloco == is_diloco),
-                       None)
+            kind: next(
+                (Point(e, gpus, tokens, price_per_gpu_hour) for e in fitting if e.layout.diloco == is_diloco), None
+            )
             for kind, is_diloco in (("sync", False), ("diloco", True))
-        }  # fmt: skip
+        }
         rows.append(Row(gpus, best["sync"], best["diloco"]))
     return rows
 

@@ -40,12 +40,14 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
         return None
     try:
         layout = layout_of(cfg, dims)
-        found = estimate(cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size,
-                         cfg.cluster.precision)  # fmt: skip
+        found = estimate(
+            cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size, cfg.cluster.precision
+        )
         rank0 = None  # not modelled: virtual stages on pp=1, whose local schedule gathers FSDP2 units per pass
         if not (dims.pp == 1 and cfg.parallelism.stages_per_rank > 1):
-            planned = step_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0,
-                                       ddp=layout.ddp)  # fmt: skip
+            planned = step_collectives(
+                cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0, ddp=layout.ddp
+            )
             planned += expert_collectives(cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0)
             rank0 = per_axis(planned)
     except ValueError:
@@ -77,15 +79,21 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
     return {
         **outer,
         "parameters + optimizer state GiB, largest rank": [
-            round((found.memory.params + found.memory.optimizer) / GIB, 6), round(max(states), 6) if states else None],
+            round((found.memory.params + found.memory.optimizer) / GIB, 6),
+            round(max(states), 6) if states else None,
+        ],
         "peak memory GiB per rank": [round(found.memory.total / GIB, 3), measured_memory],
         "tokens/s per device": [round(found.tokens_per_sec_per_device, 1), median("perf/tokens_per_sec_per_device")],
         "pipeline bubble fraction": [round(found.bubble_fraction, 3), median("pipeline/bubble_fraction")],
-        "communication bytes per step, rank 0": [rank0 and {a: c["bytes"] for a, c in rank0.items()},
-                                                 measured_comm("bytes")],
-        "communication calls per step, rank 0": [rank0 and {a: c["calls"] for a, c in rank0.items()},
-                                                 measured_comm("calls")],
-    }  # fmt: skip
+        "communication bytes per step, rank 0": [
+            rank0 and {a: c["bytes"] for a, c in rank0.items()},
+            measured_comm("bytes"),
+        ],
+        "communication calls per step, rank 0": [
+            rank0 and {a: c["calls"] for a, c in rank0.items()},
+            measured_comm("calls"),
+        ],
+    }
 
 
 def measured_cycle(history: list[dict[str, Any]], fragments: int) -> int | None:

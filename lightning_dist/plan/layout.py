@@ -199,7 +199,8 @@ class Layout:
         degrees = f"pp{self.pp} tp{self.tp}{cp} dp_replicate{self.dp_replicate} dp_shard{self.dp_shard}{ep}"
         pipe = f" {self.schedule} v{self.stages_per_rank}" if self.pp > 1 else ""
         extra = (f" float8={self.options.float8}" if self.options.float8 != "off" else "") + (
-            f" loss_chunks={self.options.loss_chunks}" if self.options.loss_chunks else "")  # fmt: skip
+            f" loss_chunks={self.options.loss_chunks}" if self.options.loss_chunks else ""
+        )
         return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}{extra}"
 
     def describe_sync(self) -> str:

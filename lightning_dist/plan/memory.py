@@ -275,8 +275,15 @@ def lora_block_params(cfg: GPTConfig, tp: int = 1) -> int:
     """LoRA adapter parameters of one block on one tp rank: ``rank x (in + out)`` for each adapted projection, the
     side its base layer's style shards divided by ``tp`` (a colwise layer's B, a rowwise layer's A)."""
     h, f, kv = cfg.d_model, cfg.hidden_dim, cfg.kv_heads * cfg.head_dim
-    layers = {"q_proj": (h, h, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "o_proj": (h, h, False),
-              "gate_proj": (h, f, True), "up_proj": (h, f, True), "down_proj": (f, h, False)}  # fmt: skip
+    layers = {
+        "q_proj": (h, h, True),
+        "k_proj": (h, kv, True),
+        "v_proj": (h, kv, True),
+        "o_proj": (h, h, False),
+        "gate_proj": (h, f, True),
+        "up_proj": (h, f, True),
+        "down_proj": (f, h, False),
+    }
     if cfg.arch != "llama":
         del layers["gate_proj"]
     targets = cfg.lora.targets

@@ -16,8 +16,16 @@ from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.cost import GIB, Estimate, estimate, flops_per_token_of
 from lightning_dist.plan.layout import Layout
 
-LLAMA3_8B = GPTConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
-                      max_seq_len=8192, rope_theta=500000.0)  # fmt: skip
+LLAMA3_8B = GPTConfig(
+    vocab_size=128256,
+    n_layers=32,
+    d_model=4096,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_hidden=14336,
+    max_seq_len=8192,
+    rope_theta=500000.0,
+)
 LLAMA3_70B = replace(LLAMA3_8B, n_layers=80, d_model=8192, n_heads=64, ffn_hidden=28672)
 LLAMA3_405B = replace(LLAMA3_8B, n_layers=126, d_model=16384, n_heads=128, ffn_hidden=53248)
 H100_SXM = HardwareConfig()
@@ -27,8 +35,13 @@ H100_SXM = HardwareConfig()
 #: 2.4 TB/s and a 500 W power limit. Peak: the SXM's 989.4 TFLOP/s at the clock 500 W sustains, dynamic power ~ f^3:
 #: 989.4 x (500/700)^(1/3) = 884 (the rule gives the 400 W H100 NVL 821, datasheet 835), inside the bounds torchtitan
 #: states (between the NVL's 835 and the SXM's 989).
-H100_GRAND_TETON = replace(H100_SXM, name="H100 96GB HBM2e 500 W", peak_tflops=round(989.4 * (500 / 700) ** (1 / 3), 1),
-                           memory_gib=94.5, memory_tbps=2.4)  # fmt: skip
+H100_GRAND_TETON = replace(
+    H100_SXM,
+    name="H100 96GB HBM2e 500 W",
+    peak_tflops=round(989.4 * (500 / 700) ** (1 / 3), 1),
+    memory_gib=94.5,
+    memory_tbps=2.4,
+)
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @820504e"
 TORCHTITAN_ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e (bf16 vanilla)"
@@ -66,8 +79,9 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
     # the bytes of a replicated all-reduce (modelled as replicas); no activation recomputation stated.
     layout = Layout.of(1, per_rank, dp_replicate=48, tp=tp, pp=pp, tp_overlap=True)
     tokens = tflops * 1e12 / flops_per_token_of(model, 4096)
-    return Published(f"Megatron-LM GPT {size}, {48 * tp * pp} H100, tp{tp} pp{pp} dp48", MEGATRON, model, layout,
-                     4096, batch, tokens)  # fmt: skip
+    return Published(
+        f"Megatron-LM GPT {size}, {48 * tp * pp} H100, tp{tp} pp{pp} dp48", MEGATRON, model, layout, 4096, batch, tokens
+    )
 
 
 _405B_MISS = (
@@ -77,26 +91,68 @@ _405B_MISS = (
 
 
 def _llama405b(dp: int, per_dp: int, tflops: float, known_miss: str | None = None) -> Published:
-    layout = Layout.of(1, per_dp, dp_shard=dp, tp=8, pp=16, schedule="Interleaved1F1B", stages_per_rank=2,
-                    activation_checkpointing="selective")  # fmt: skip
+    layout = Layout.of(
+        1,
+        per_dp,
+        dp_shard=dp,
+        tp=8,
+        pp=16,
+        schedule="Interleaved1F1B",
+        stages_per_rank=2,
+        activation_checkpointing="selective",
+    )
     tokens = tflops * 1e12 / flops_per_token_of(LLAMA3_405B, 8192)
-    return Published(f"Llama 3 405B, {8 * 16 * dp} H100, tp8 pp16 dp{dp}", LLAMA3_PAPER, LLAMA3_405B, layout, 8192,
-                     dp * per_dp, tokens, known_miss=known_miss)  # fmt: skip
+    return Published(
+        f"Llama 3 405B, {8 * 16 * dp} H100, tp8 pp16 dp{dp}",
+        LLAMA3_PAPER,
+        LLAMA3_405B,
+        layout,
+        8192,
+        dp * per_dp,
+        tokens,
+        known_miss=known_miss,
+    )
 
 
 #: torchtitan's selective activation checkpointing: every second matmul of a block recomputed.
 _TT_AC = {"activation_checkpointing": "selective", "ac_selective": "op_half"}
 
 PUBLISHED: list[Published] = [
-    Published("torchtitan Llama 3.1 8B, 8 H100, FSDP 8, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout.of(2, 1, dp_shard=8, **_TT_AC), 8192, 16, 5762, 82.4,
-              H100_GRAND_TETON, _TT_MISS),
-    Published("torchtitan Llama 3.1 8B, 128 H100, FSDP 128, LBS 2, selective AC", TORCHTITAN, LLAMA3_8B,
-              Layout.of(2, 1, dp_shard=128, **_TT_AC), 8192, 256, 5605, 67.0,
-              H100_GRAND_TETON, _TT_MISS),
-    Published("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, LBS 16, full AC, compile", TORCHTITAN_ASYNC_TP,
-              LLAMA3_70B, Layout.of(16, 1, dp_shard=32, tp=8, activation_checkpointing="full"), 8192, 512, 597.3, None,
-              H100_GRAND_TETON),
+    Published(
+        "torchtitan Llama 3.1 8B, 8 H100, FSDP 8, LBS 2, selective AC",
+        TORCHTITAN,
+        LLAMA3_8B,
+        Layout.of(2, 1, dp_shard=8, **_TT_AC),
+        8192,
+        16,
+        5762,
+        82.4,
+        H100_GRAND_TETON,
+        _TT_MISS,
+    ),
+    Published(
+        "torchtitan Llama 3.1 8B, 128 H100, FSDP 128, LBS 2, selective AC",
+        TORCHTITAN,
+        LLAMA3_8B,
+        Layout.of(2, 1, dp_shard=128, **_TT_AC),
+        8192,
+        256,
+        5605,
+        67.0,
+        H100_GRAND_TETON,
+        _TT_MISS,
+    ),
+    Published(
+        "torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, LBS 16, full AC, compile",
+        TORCHTITAN_ASYNC_TP,
+        LLAMA3_70B,
+        Layout.of(16, 1, dp_shard=32, tp=8, activation_checkpointing="full"),
+        8192,
+        512,
+        597.3,
+        None,
+        H100_GRAND_TETON,
+    ),
     _megatron("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
     _megatron("16B", 48, 6144, 32, 4, 1, 192, 489.1),
     _megatron("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -104,7 +160,7 @@ PUBLISHED: list[Published] = [
     _megatron("177B", 96, 12288, 96, 8, 6, 1152, 432.8),
     _llama405b(64, 32, 430),
     _llama405b(128, 16, 400, _405B_MISS),
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True)
@@ -136,14 +192,18 @@ def validate() -> list[Check]:
 
 def table() -> str:
     """The validation table as Markdown (docs/planner.md's)."""
-    lines = ["| run | tokens/s/GPU measured | predicted | error | memory GiB measured | predicted | error | source |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | tokens/s/GPU measured | predicted | error | memory GiB measured | predicted | error | source |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for check in validate():
         row, pred = check.row, check.predicted
         memory = ("-", "-", "-")
         if check.memory_error is not None:
             memory = (f"{row.memory_gib:.1f}", f"{pred.memory.total / GIB:.1f}", f"{check.memory_error:+.0%}")
-        lines.append(f"| {row.name}{' (*)' if row.known_miss else ''} | {row.tokens_per_sec_per_device:,.0f} | "
-                     f"{pred.tokens_per_sec_per_device:,.0f} | {check.tokens_error:+.0%} | {memory[0]} | {memory[1]} | "
-                     f"{memory[2]} | {row.source} |")  # fmt: skip
+        lines.append(
+            f"| {row.name}{' (*)' if row.known_miss else ''} | {row.tokens_per_sec_per_device:,.0f} | "
+            f"{pred.tokens_per_sec_per_device:,.0f} | {check.tokens_error:+.0%} | {memory[0]} | {memory[1]} | "
+            f"{memory[2]} | {row.source} |"
+        )
     return "\n".join(lines)

@@ -68,8 +68,15 @@ def layouts(
                 per_node = gpus_per_node // inner if pp * inner <= gpus_per_node else 1
                 for replicate, shard in _data_parallel(dp, per_node):
                     for ep in _expert_degrees(cfg, shard):
-                        yield from _with_options(cfg, ParallelDims(world, replicate, shard, tp, pp, cp, ep),
-                                                 global_batch // dp, plan, syncs, diloco, fixed or {})  # fmt: skip
+                        yield from _with_options(
+                            cfg,
+                            ParallelDims(world, replicate, shard, tp, pp, cp, ep),
+                            global_batch // dp,
+                            plan,
+                            syncs,
+                            diloco,
+                            fixed or {},
+                        )
 
 
 def _expert_degrees(cfg: GPTConfig, dp_shard: int) -> list[int]:
@@ -86,8 +93,15 @@ def _context_degrees(cfg: GPTConfig, ranks: int, pp: int, seq_len: int | None, e
     return [cp for cp in _divisors(ranks) if seq_len % (2 * cp) == 0 or cp == 1]
 
 
-def _with_options(cfg: GPTConfig, dims: ParallelDims, per_rank: int, plan: PlanConfig, syncs: list[dict[str, Any]],
-                  diloco: Mapping[str, Any] | None, fixed: Mapping[str, Any]) -> Iterator[Layout]:  # fmt: skip
+def _with_options(
+    cfg: GPTConfig,
+    dims: ParallelDims,
+    per_rank: int,
+    plan: PlanConfig,
+    syncs: list[dict[str, Any]],
+    diloco: Mapping[str, Any] | None,
+    fixed: Mapping[str, Any],
+) -> Iterator[Layout]:
     """Every micro batch, schedule, activation checkpointing and sync of one set of degrees."""
     pp, replicate = dims.pp, dims.dp_replicate
     if fixed.get("cpu_offload") and not dims.dp_cp_enabled:  # nothing sharded to offload
@@ -127,9 +141,10 @@ def rank(
     """Every layout estimated, those that fit first, each group by tokens/s per device (best first; on a tie,
     synchronous before DiLoCo, whose replicas drift apart between outer steps). ``context_parallel``: also search
     cp (the model is one the cp implementation takes); ``fixed``: options every layout takes (float8, loss_chunks)."""
-    found = [estimate(cfg, lay, hw, seq_len, global_batch)
-             for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco, seq_len,
-                                context_parallel, fixed)]  # fmt: skip
+    found = [
+        estimate(cfg, lay, hw, seq_len, global_batch)
+        for lay in layouts(cfg, world, global_batch, hw.gpus_per_node, plan, diloco, seq_len, context_parallel, fixed)
+    ]
     return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.layout.diloco, e.memory.total))
 
 

@@ -63,8 +63,14 @@ def moe_block_tensors(cfg: GPTConfig, tp: int, sequence_parallel: bool = True) -
     router gate ``(E, C)`` whole on every tp rank, the shared experts split as the MLP."""
     h, hd, f = cfg.d_model, cfg.head_dim, cfg.moe.shared_experts * cfg.expert_hidden
     sp = tp > 1 and sequence_parallel
-    attention = [Tensor(h, 1, sp), Tensor(cfg.n_heads * hd // tp, h), Tensor(cfg.kv_heads * hd // tp, h),
-                 Tensor(cfg.kv_heads * hd // tp, h), Tensor(h, cfg.n_heads * hd // tp), Tensor(h, 1, sp)]  # fmt: skip
+    attention = [
+        Tensor(h, 1, sp),
+        Tensor(cfg.n_heads * hd // tp, h),
+        Tensor(cfg.kv_heads * hd // tp, h),
+        Tensor(cfg.kv_heads * hd // tp, h),
+        Tensor(h, cfg.n_heads * hd // tp),
+        Tensor(h, 1, sp),
+    ]
     shared = [Tensor(f // tp, h), Tensor(f // tp, h), Tensor(h, f // tp)] if f else []
     return [*attention, Tensor(cfg.moe.num_experts, h), *shared]
 

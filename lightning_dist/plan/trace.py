@@ -147,8 +147,12 @@ def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank
         totals = collectives.setdefault(REPORTED_AXIS.get(axis, axis), {"bytes": 0, "calls": 0})
         totals["bytes"] += stats.bytes
         totals["calls"] += stats.count
-    return {"grad_bytes": states["grads"], "optimizer_bytes": states["optimizer"], "collectives": collectives,
-            "peak_bytes": peak}  # fmt: skip
+    return {
+        "grad_bytes": states["grads"],
+        "optimizer_bytes": states["optimizer"],
+        "collectives": collectives,
+        "peak_bytes": peak,
+    }
 
 
 @contextlib.contextmanager

@@ -11,8 +11,13 @@ import importlib.util
 import sys
 
 #: Import name -> the distribution that provides it (all in the ``app`` extra).
-APP_PACKAGES = {"hydra": "hydra-core", "omegaconf": "omegaconf", "wandb": "wandb", "matplotlib": "matplotlib",
-                "rich": "rich"}  # fmt: skip
+APP_PACKAGES = {
+    "hydra": "hydra-core",
+    "omegaconf": "omegaconf",
+    "wandb": "wandb",
+    "matplotlib": "matplotlib",
+    "rich": "rich",
+}
 
 
 def require_app(script: str) -> None:

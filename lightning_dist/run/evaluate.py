@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="the weights' dtype: auto, bfloat16, float32")
     parser.add_argument("--output", type=Path, help="where to write the results (default: <run>/eval/<ckpt>.json)")
     args = parser.parse_args(argv)
-    missing = [dist for name, dist in (("lm_eval", "lm-eval"), ("transformers", "transformers"), ("peft", "peft"))
-               if importlib.util.find_spec(name) is None]  # fmt: skip
+    missing = [
+        dist
+        for name, dist in (("lm_eval", "lm-eval"), ("transformers", "transformers"), ("peft", "peft"))
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
         sys.exit(f"lightning-dist-eval needs {', '.join(missing)}: pip install 'lightning-dist[hf,eval]'")
     batch = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
@@ -50,9 +53,17 @@ def main(argv: list[str] | None = None) -> None:
     whole: dict = {}
     try:
         model = resolve_hf_model(args.model, args.base)
-        metrics = evaluate(model, args.tasks, include_path=args.include_path, limit=args.limit,
-                           num_fewshot=args.num_fewshot, batch_size=batch, device=args.device, dtype=args.dtype,
-                           results=whole)  # fmt: skip
+        metrics = evaluate(
+            model,
+            args.tasks,
+            include_path=args.include_path,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            batch_size=batch,
+            device=args.device,
+            dtype=args.dtype,
+            results=whole,
+        )
     except ValueError as err:
         sys.exit(f"lightning-dist-eval: {err}")
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def fit(
     # Our data module resumes mid-epoch by optimizer step (StepSampler); Lightning cannot tell and warns.
     warnings.filterwarnings("ignore", ".*your dataloader is not resumable.*")
     valid = run if isinstance(run, ValidRun) else validate(run)
-    cfg, dims = valid.cfg, valid.dims
+    cfg = valid.cfg
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = Path(cfg.output_dir)
     if is_global_zero():
@@ -63,65 +64,143 @@ def fit(
     # Lightning's smoke test logs nothing (a W&B run would still be made by finish_wandb)
     nodes = {} if cfg.trainer.fast_dev_run else cfg.logger
     loggers = build_loggers(nodes, out_dir, cfg, continue_from=Path(cfg.ckpt_path) if continuing else None)
-    wandb_name = next((name for name, logger in loggers.items() if isinstance(logger, WandbLogger)), None)
-    history = LossHistory()
-    every = cfg.checkpoint
-    checkpoint = RunCheckpoints(
-        out_dir / "checkpoints",
-        every.every_n_steps,
-        every.every_n_minutes,
-        every.keep_last,
-        run_record(cfg),
-        save_hf=every.save_hf,
-    )
-    preemption = Preemption()
-    shown = ShowLayout()
-    all_callbacks = [history, preemption, Heartbeat(cfg.resilience.hang_timeout_s), shown, *callbacks]
-    if cfg.telemetry.enabled:
-        telemetry = Telemetry(
-            peak_tflops=cfg.cluster.peak_tflops,
-            track_comm=cfg.telemetry.track_comm,
-            comm_timing_every_n_steps=cfg.telemetry.comm_timing_every_n_steps,
-            print_summary=say,
-        )
-        all_callbacks.append(telemetry)
-    artifacts = None
-    if cfg.trainer.enable_checkpointing and not cfg.trainer.fast_dev_run:  # Lightning's smoke test saves nothing
-        all_callbacks.append(checkpoint)
-        if cfg.eval.tasks:  # after RunCheckpoints: it evaluates the HuggingFace save just published
-            all_callbacks.append(eval_callback(cfg, out_dir / "checkpoints"))
-        if wandb_name is not None and cfg.logger[wandb_name].get("log_model"):
-            artifacts = CheckpointArtifacts(checkpoint, loggers[wandb_name], cfg.logger[wandb_name]["log_model"])
-            all_callbacks.append(artifacts)
-    if cfg.trainer.enable_progress_bar:
-        all_callbacks.append(LoggedLossBar())
-    if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
-        all_callbacks.append(InitWeights(Path(cfg.init_from)))
-    if cfg.cluster.num_nodes > 1:
-        all_callbacks.append(SharedFolderCheck(out_dir))
-    debug = cfg.debug
-    profiler = ProfileSteps(out_dir / "profile", debug.profile_from, debug.profile_to) if debug.profile else None
-    all_callbacks += [profiler] if profiler else []
-    all_callbacks += [CudaMemoryHistory(out_dir / "memory", debug.memory_max_entries)] if debug.memory else []
+    ours = RunCallbacks.build(cfg, out_dir, loggers, callbacks)
     users = [instantiate(node) for node in cfg.callbacks.values()]  # callbacks=... / +callbacks.<name>._target_=
     for callback in users:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
             callback.dirpath = str(out_dir / "best")  # beside checkpoints/, which is ours (RunCheckpoints)
-    all_callbacks += users
     enable_flight_recorder(out_dir, cfg.cluster.accelerator)  # before the strategy creates the process group
-    args = cfg.trainer
+    trainer = build_trainer(valid, loggers, ours.all, users, datamodule, placement)
+    watchdog = watch_external_job(out_dir)  # torchrun / srun: no launcher of ours reads the heartbeats
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    if ours.artifacts is not None:
+        ours.artifacts.log_newest(trainer)  # the final checkpoint (log_model=true), or the last of them (all)
+    if ours.telemetry is not None:
+        merge_telemetry(ours.history.records, ours.telemetry.history)
+    return ours.result(trainer, valid, loggers, getattr(datamodule, "loss_floor", None))
+
+
+@dataclass
+class RunCallbacks:
+    """The app's own callbacks for one run, and the ones its summary reads afterwards."""
+
+    history: LossHistory
+    checkpoint: RunCheckpoints
+    preemption: Preemption
+    shown: ShowLayout
+    telemetry: Telemetry | None
+    artifacts: CheckpointArtifacts | None
+    profiler: ProfileSteps | None
+    all: list[pl.Callback]
+
+    @classmethod
+    def build(
+        cls, cfg: TrainConfig, out_dir: Path, loggers: Mapping[str, Any], extra: Sequence[pl.Callback] = ()
+    ) -> RunCallbacks:
+        """The callbacks ``cfg`` asks for, with ``extra`` (a caller's own) among them, in the order they run."""
+        every = cfg.checkpoint
+        checkpoint = RunCheckpoints(
+            out_dir / "checkpoints",
+            every.every_n_steps,
+            every.every_n_minutes,
+            every.keep_last,
+            run_record(cfg),
+            save_hf=every.save_hf,
+        )
+        history, preemption, shown = LossHistory(), Preemption(), ShowLayout()
+        heartbeat = Heartbeat(cfg.resilience.hang_timeout_s)
+        all_callbacks: list[pl.Callback] = [history, preemption, heartbeat, shown, *extra]
+        telemetry = None
+        if cfg.telemetry.enabled:
+            telemetry = Telemetry(
+                peak_tflops=cfg.cluster.peak_tflops,
+                track_comm=cfg.telemetry.track_comm,
+                comm_timing_every_n_steps=cfg.telemetry.comm_timing_every_n_steps,
+                print_summary=say,
+            )
+            all_callbacks.append(telemetry)
+        artifacts = None
+        if cfg.trainer.enable_checkpointing and not cfg.trainer.fast_dev_run:  # Lightning's smoke test saves nothing
+            all_callbacks.append(checkpoint)
+            if cfg.eval.tasks:  # after RunCheckpoints: it evaluates the HuggingFace save just published
+                all_callbacks.append(eval_callback(cfg, out_dir / "checkpoints"))
+            wandb_name = next((name for name, log in loggers.items() if isinstance(log, WandbLogger)), None)
+            if wandb_name is not None and cfg.logger[wandb_name].get("log_model"):
+                artifacts = CheckpointArtifacts(checkpoint, loggers[wandb_name], cfg.logger[wandb_name]["log_model"])
+                all_callbacks.append(artifacts)
+        if cfg.trainer.enable_progress_bar:
+            all_callbacks.append(LoggedLossBar())
+        if cfg.init_from is not None and cfg.ckpt_path is None:  # a checkpoint, when continuing, holds newer weights
+            all_callbacks.append(InitWeights(Path(cfg.init_from)))
+        if cfg.cluster.num_nodes > 1:
+            all_callbacks.append(SharedFolderCheck(out_dir))
+        debug = cfg.debug
+        profiler = ProfileSteps(out_dir / "profile", debug.profile_from, debug.profile_to) if debug.profile else None
+        all_callbacks += [profiler] if profiler else []
+        all_callbacks += [CudaMemoryHistory(out_dir / "memory", debug.memory_max_entries)] if debug.memory else []
+        return cls(history, checkpoint, preemption, shown, telemetry, artifacts, profiler, all_callbacks)
+
+    def result(
+        self, trainer: pl.Trainer, valid: ValidRun, loggers: Mapping[str, Any], loss_floor: float | None
+    ) -> RunResult:
+        """This rank's summary of the finished ``trainer``."""
+        out_dir = Path(valid.cfg.output_dir)
+        metrics = trainer.callback_metrics
+        wandb_name = next((name for name, log in loggers.items() if isinstance(log, WandbLogger)), None)
+        profiler = self.profiler
+        return RunResult(
+            output_dir=str(out_dir),
+            layout=valid.layout,
+            steps=trainer.global_step,
+            train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
+            val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
+            loss_floor=loss_floor,
+            history=self.history.records,
+            rank_layouts=[layout.to_dict() for layout in self.shown.layouts],
+            checkpoint=str(self.checkpoint.last_path) if self.checkpoint.last_path else None,
+            checkpoint_blocked_s=self.checkpoint.blocked_s,
+            checkpoint_written_s=self.checkpoint.written_s,
+            preempted=self.preemption.signal_name,
+            wandb_dir=finish_wandb(loggers[wandb_name]) if wandb_name is not None else None,
+            csv=next((where(log) for log in loggers.values() if isinstance(log, CSVLogger)), None),
+            logs={
+                **{name: where(log) for name, log in loggers.items() if where(log) and not isinstance(log, CSVLogger)},
+                **({"profile trace": str(profiler.trace)} if profiler and profiler.trace else {}),
+                **({"memory": str(out_dir / "memory")} if valid.cfg.debug.memory else {}),
+            },
+        )
+
+
+def build_trainer(
+    valid: ValidRun,
+    loggers: Mapping[str, Any],
+    callbacks: list[pl.Callback],
+    users: list[pl.Callback],
+    datamodule: Any,
+    placement: Mapping[str, Any] | None = None,
+) -> pl.Trainer:
+    """Lightning's ``Trainer`` for the checked run: its strategy, precision, loop lengths, loggers, the app's
+    ``callbacks`` and the user's (``users``, after them)."""
+    cfg, args = valid.cfg, valid.cfg.trainer
     if args.max_epochs is not None and args.max_steps > 0 and is_global_zero():
         say(
             f"trainer.max_epochs={args.max_epochs} and trainer.max_steps={args.max_steps}: the run stops at "
             "whichever comes first (trainer.max_steps=-1 trains by epochs only)"
         )
     if placement is None:
-        placement = {"plugins": lightning_environment(), "devices": cfg.cluster.devices,
-                     "num_nodes": cfg.cluster.num_nodes}  # fmt: skip
-    trainer = pl.Trainer(
+        placement = {
+            "plugins": lightning_environment(),
+            "devices": cfg.cluster.devices,
+            "num_nodes": cfg.cluster.num_nodes,
+        }
+    return pl.Trainer(
         **placement,
         accelerator=cfg.cluster.accelerator,
-        strategy=build_strategy(cfg.parallelism.strategy, dims, valid.options),
+        strategy=build_strategy(cfg.parallelism.strategy, valid.dims, valid.options),
         precision=cfg.cluster.precision,
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,
@@ -139,45 +218,13 @@ def fit(
         enable_progress_bar=args.enable_progress_bar,
         enable_model_summary=False,
         logger=list(loggers.values()) or False,
-        callbacks=all_callbacks,
+        callbacks=[*callbacks, *users],
         # Our data module samples by data-parallel rank itself; a user's loaders are dealt out by our strategies.
         use_distributed_sampler=not isinstance(datamodule, TokenDataModule),
-        default_root_dir=out_dir,
+        default_root_dir=Path(cfg.output_dir),
         # Every other Trainer argument, as the user gave it (+trainer.profiler=simple), a node with _target_ built
         # (+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiler +trainer.profiler.dirpath=...).
         **{name: _built(value) for name, value in args.extra.items()},
-    )
-    watchdog = watch_external_job(out_dir)  # torchrun / srun: no launcher of ours reads the heartbeats
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-    if artifacts is not None:
-        artifacts.log_newest(trainer)  # the final checkpoint (log_model=true), or the last of them (all)
-    if cfg.telemetry.enabled:
-        merge_telemetry(history.records, telemetry.history)
-    metrics = trainer.callback_metrics
-    return RunResult(
-        output_dir=str(out_dir),
-        layout=valid.layout,
-        steps=trainer.global_step,
-        train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
-        val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
-        loss_floor=getattr(datamodule, "loss_floor", None),
-        history=history.records,
-        rank_layouts=[layout.to_dict() for layout in shown.layouts],
-        checkpoint=str(checkpoint.last_path) if checkpoint.last_path else None,
-        checkpoint_blocked_s=checkpoint.blocked_s,
-        checkpoint_written_s=checkpoint.written_s,
-        preempted=preemption.signal_name,
-        wandb_dir=finish_wandb(loggers[wandb_name]) if wandb_name is not None else None,
-        csv=next((where(log) for log in loggers.values() if isinstance(log, CSVLogger)), None),
-        logs={
-            **{name: where(log) for name, log in loggers.items() if where(log) and not isinstance(log, CSVLogger)},
-            **({"profile trace": str(profiler.trace)} if profiler and profiler.trace else {}),
-            **({"memory": str(out_dir / "memory")} if debug.memory else {}),
-        },
     )
 
 
@@ -211,6 +258,12 @@ def eval_callback(cfg: TrainConfig, checkpoints: Path) -> EvalCallback:
     """``eval.*``: lm-eval tasks on each evaluated checkpoint's HuggingFace save (``callbacks/evaluation.py``)."""
     ev = cfg.eval
     limit = None if ev.limit is None else int(ev.limit) if ev.limit >= 1 else ev.limit
-    return EvalCallback(checkpoints, ev.tasks, ev.every_n_steps or cfg.checkpoint.every_n_steps,
-                        include_path=ev.include_path, limit=limit, num_fewshot=ev.num_fewshot,
-                        batch_size=ev.batch_size)  # fmt: skip
+    return EvalCallback(
+        checkpoints,
+        ev.tasks,
+        ev.every_n_steps or cfg.checkpoint.every_n_steps,
+        include_path=ev.include_path,
+        limit=limit,
+        num_fewshot=ev.num_fewshot,
+        batch_size=ev.batch_size,
+    )

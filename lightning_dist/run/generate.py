@@ -48,8 +48,9 @@ def generate(
     if chat:
         if tokenizer.chat_template is None:
             raise ValueError(f"--chat: the tokenizer in {tokenizer_folder(model)} has no chat template.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)  # fmt: skip
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
     else:
         ids = tokenizer(prompt, return_tensors="pt")
     ids = {k: v.to(device) for k, v in ids.items()}
@@ -93,10 +94,20 @@ def main(argv: list[str] | None = None) -> None:
     model = None
     try:
         model = resolve_hf_model(args.model, args.base)
-        texts = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                         num_return_sequences=args.num_return_sequences, seed=args.seed, chat=args.chat,
-                         device=args.device, dtype=args.dtype)  # fmt: skip
+        texts = generate(
+            model,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            num_return_sequences=args.num_return_sequences,
+            seed=args.seed,
+            chat=args.chat,
+            device=args.device,
+            dtype=args.dtype,
+        )
     except ValueError as err:
         sys.exit(f"lightning-dist-generate: {err}")
     finally:

@@ -114,8 +114,12 @@ def prepare(
     work = out / ".work"
     work.mkdir(parents=True, exist_ok=True)
     parts = [np.memmap(tokenize_source(s, data, work, dtype), dtype=dtype, mode="r") for s in sources]
-    meta: dict[str, Any] = {"tokenizer": tokenizer, "vocab_size": vocab, "token_dtype": np.dtype(dtype).name,
-                            "sources": []}  # fmt: skip
+    meta: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "vocab_size": vocab,
+        "token_dtype": np.dtype(dtype).name,
+        "sources": [],
+    }
     with (out / "train.bin.partial").open("wb") as train, (out / "val.bin.partial").open("wb") as val:
         for source, weight, tokens in zip(sources, weights, parts):
             held = int(len(tokens) * val_fraction)
@@ -124,8 +128,15 @@ def prepare(
             for _ in range(int(weight)):
                 train.write(np.asarray(kept).tobytes())
             train.write(np.asarray(kept[: int(len(kept) * (weight % 1))]).tobytes())
-            meta["sources"].append({"source": source, "weight": weight, "tokens": len(tokens),
-                                    "train_tokens": int(len(kept) * weight), "val_tokens": held})  # fmt: skip
+            meta["sources"].append(
+                {
+                    "source": source,
+                    "weight": weight,
+                    "tokens": len(tokens),
+                    "train_tokens": int(len(kept) * weight),
+                    "val_tokens": held,
+                }
+            )
     for name in ("train.bin", "val.bin"):
         os.replace(out / f"{name}.partial", out / name)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -143,13 +154,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records")
     args = parser.parse_args(argv)
     try:
-        meta = prepare(args.sources, Path(args.out), args.tokenizer, args.weights, args.val_fraction, args.num_proc,
-                       args.text_field)  # fmt: skip
+        meta = prepare(
+            args.sources,
+            Path(args.out),
+            args.tokenizer,
+            args.weights,
+            args.val_fraction,
+            args.num_proc,
+            args.text_field,
+        )
     except ValueError as err:
         sys.exit(f"lightning-dist-prepare: {err}")
     train = sum(s["train_tokens"] for s in meta["sources"])
-    print(f"{args.out}: {train:,} train tokens; data=tokens data.path={args.out} "
-          f"data.token_dtype={meta['token_dtype']} model.vocab_size={meta['vocab_size']}")  # fmt: skip
+    print(
+        f"{args.out}: {train:,} train tokens; data=tokens data.path={args.out} "
+        f"data.token_dtype={meta['token_dtype']} model.vocab_size={meta['vocab_size']}"
+    )
 
 
 if __name__ == "__main__":

@@ -116,8 +116,9 @@ def rehearse(cfg: TrainConfig, rank: int, callbacks: Sequence[pl.Callback] = ())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return Rehearsal(rank=rank, world_size=world, layout=valid.layout, steps=result.steps, peak_bytes=peak,
-                     result=result)  # fmt: skip
+    return Rehearsal(
+        rank=rank, world_size=world, layout=valid.layout, steps=result.steps, peak_bytes=peak, result=result
+    )
 
 
 @contextlib.contextmanager
@@ -149,9 +150,13 @@ def _local_object_collectives() -> Iterator[None]:
     def fake_group(*args: Any, backend: Any = None, **kwargs: Any) -> Any:
         return new_group(*args, **kwargs)  # gloo for Lightning's barrier or a checkpoint writer: the fake one here
 
-    local = {"broadcast_object_list": broadcast_object_list, "all_gather_object": all_gather_object,
-             "gather_object": gather_object, "scatter_object_list": scatter_object_list,
-             "new_group": fake_group}  # fmt: skip
+    local = {
+        "broadcast_object_list": broadcast_object_list,
+        "all_gather_object": all_gather_object,
+        "gather_object": gather_object,
+        "scatter_object_list": scatter_object_list,
+        "new_group": fake_group,
+    }
     originals = {name: getattr(dist, name) for name in local}
     monitored_barrier = dist.ProcessGroup.monitored_barrier
     for name, function in local.items():
@@ -170,6 +175,12 @@ def planned_memory(cfg: TrainConfig) -> MemoryEstimate | None:
     if not isinstance(cfg.model, GPTConfig):
         return None
     dims = build_parallel_dims(cfg)
-    found = estimate(cfg.model, layout_of(cfg, dims), cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size,
-                     cfg.cluster.precision)  # fmt: skip
+    found = estimate(
+        cfg.model,
+        layout_of(cfg, dims),
+        cfg.hardware,
+        cfg.data.seq_len,
+        cfg.data.global_batch_size,
+        cfg.cluster.precision,
+    )
     return found.memory

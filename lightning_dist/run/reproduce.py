@@ -65,8 +65,9 @@ def measure(recipe: str, steps: int | None, out_dir: Path, halves: bool) -> dict
     ]
     started = time.perf_counter()
     if halves:
-        first = run(_with(recipe, [*common, f"trainer.max_steps={steps // 2}", "trainer.enable_checkpointing=true"],
-                          out_dir))  # fmt: skip
+        first = run(
+            _with(recipe, [*common, f"trainer.max_steps={steps // 2}", "trainer.enable_checkpointing=true"], out_dir)
+        )
         second = run(_with(recipe, [*common, f"trainer.max_steps={steps}", f"resume={out_dir}"], out_dir))
         records = first["history"] + second["history"]
     else:
@@ -93,11 +94,19 @@ def compare(golden: dict[str, Any], measured: dict[str, Any]) -> list[tuple[str,
     expected = golden["loss"][: len(measured["loss"])]
     rtol = golden.get("loss_rtol", DEFAULT_TOLERANCES["loss_rtol"])
     worst = max((abs(m - e) / max(abs(e), 1e-12) for m, e in zip(measured["loss"], expected, strict=True)), default=0.0)
-    rows.append((f"loss, {len(expected)} steps (resumed at half)", f"rtol {rtol:g}", f"max rel. diff {worst:.2e}",
-                 worst <= rtol and len(expected) == len(measured["loss"])))  # fmt: skip
+    rows.append(
+        (
+            f"loss, {len(expected)} steps (resumed at half)",
+            f"rtol {rtol:g}",
+            f"max rel. diff {worst:.2e}",
+            worst <= rtol and len(expected) == len(measured["loss"]),
+        )
+    )
     rows.append(("final loss", f"{expected[-1]:.4f}", f"{measured['loss'][-1]:.4f}", worst <= rtol))
-    for key, band_key, unit in (("tokens_per_sec", "tokens_per_sec_band", "tokens/s"), ("memory_gib", "memory_band",
-                                                                                        "GiB per rank")):  # fmt: skip
+    for key, band_key, unit in (
+        ("tokens_per_sec", "tokens_per_sec_band", "tokens/s"),
+        ("memory_gib", "memory_band", "GiB per rank"),
+    ):
         if golden.get(key) is None or measured.get(key) is None:
             rows.append((unit, str(golden.get(key)), "not measured", True))
             continue
@@ -118,14 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     kind = machine_kind()
     path = args.golden or GOLDEN_DIR / f"{args.recipe}.{kind}.json"
     if not args.update and not path.is_file():
-        sys.exit(f"lightning-dist-reproduce: no golden file {path} for {args.recipe} on {kind}: not measured here "
-                 f"yet; record one with --update.")  # fmt: skip
+        sys.exit(
+            f"lightning-dist-reproduce: no golden file {path} for {args.recipe} on {kind}: not measured here "
+            f"yet; record one with --update."
+        )
     with tempfile.TemporaryDirectory(prefix="lightning-dist-reproduce-") as tmp:
         out = args.out or Path(tmp) / "run"
         measured = measure(args.recipe, args.steps, out, halves=not args.update)
     if args.update:
-        golden = {"recipe": args.recipe, "machine": kind, "recorded": time.strftime("%Y-%m-%d"), **DEFAULT_TOLERANCES,
-                  **{k: measured[k] for k in ("loss", "tokens_per_sec", "memory_gib")}}  # fmt: skip
+        golden = {
+            "recipe": args.recipe,
+            "machine": kind,
+            "recorded": time.strftime("%Y-%m-%d"),
+            **DEFAULT_TOLERANCES,
+            **{k: measured[k] for k in ("loss", "tokens_per_sec", "memory_gib")},
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(golden, indent=1) + "\n")
         print(f"recorded {path}: {len(measured['loss'])} steps, final loss {measured['loss'][-1]:.4f}")

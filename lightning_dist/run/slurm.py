@@ -79,9 +79,15 @@ def build_executor(cfg: TrainConfig, folder: Path) -> Any:
         "setup": list(s.setup),
         "additional_parameters": dict(s.additional),
     }
-    optional = {"gpus_per_node": s.gpus_per_node, "cpus_per_task": s.cpus_per_task, "partition": s.partition,
-                "account": s.account, "qos": s.qos, "constraint": s.constraint,
-                "mem": f"{s.mem_gb}GB" if s.mem_gb else None}  # fmt: skip
+    optional = {
+        "gpus_per_node": s.gpus_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "partition": s.partition,
+        "account": s.account,
+        "qos": s.qos,
+        "constraint": s.constraint,
+        "mem": f"{s.mem_gb}GB" if s.mem_gb else None,
+    }
     params.update({key: value for key, value in optional.items() if value is not None})
     executor.update_parameters(**params)
     return executor

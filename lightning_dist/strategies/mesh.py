@@ -252,13 +252,30 @@ class MeshStrategy(
         ep_spec, cp_spec = declared_ep_spec(module, dims.ep), declared_cp_spec(module, dims.cp)
         if dims.pp_enabled:
             self._pipeline = PipelineStages.build(
-                module, dims, options, self.global_rank, self.root_device, tp_plan=tp_plan, param_dtype=dtype,
-                cp_spec=cp_spec, ep_spec=ep_spec, materialize=materialize,
-            )  # fmt: skip
+                module,
+                dims,
+                options,
+                self.global_rank,
+                self.root_device,
+                tp_plan=tp_plan,
+                param_dtype=dtype,
+                cp_spec=cp_spec,
+                ep_spec=ep_spec,
+                materialize=materialize,
+            )
             self._layout = self._pipeline.layout
             return
-        done = parallelize(module, dims, options, tp_plan=tp_plan, cp_spec=cp_spec, ep_spec=ep_spec, param_dtype=dtype,
-                           fsdp_units=declared_blocks(module), fsdp_ignored=declared_unsharded(module))  # fmt: skip
+        done = parallelize(
+            module,
+            dims,
+            options,
+            tp_plan=tp_plan,
+            cp_spec=cp_spec,
+            ep_spec=ep_spec,
+            param_dtype=dtype,
+            fsdp_units=declared_blocks(module),
+            fsdp_ignored=declared_unsharded(module),
+        )
         self._layout = RankLayout.of(dims, self.global_rank, **vars(done))  # its styles, FSDP2 units and cp attention
         if materialize:
             materialize_model(module, module, self.root_device)  # sharded first: each rank allocates its shards only

@@ -120,10 +120,13 @@ class DiLoCoMixin:
         step, in_flight = saved.pop("step"), saved.pop("in_flight")
         out["diloco"] = saved
         checkpoint["diloco"] = {
-            "replicas": self.parallel_dims.dp_replicate, "step": step, "in_flight": in_flight,
-            "fragments": len(self._diloco.fragments), "momentum": "momentum" in saved,
+            "replicas": self.parallel_dims.dp_replicate,
+            "step": step,
+            "in_flight": in_flight,
+            "fragments": len(self._diloco.fragments),
+            "momentum": "momentum" in saved,
             "equal": self._diloco.replicas_equal,
-        }  # fmt: skip
+        }
         return out
 
     def load_sharded_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:

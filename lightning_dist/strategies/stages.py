@@ -168,8 +168,10 @@ class PipelineStages:
             prefix = f"{spec.model_attr}."  # names as the LightningModule's, like a whole model's
             tp_styles.update({prefix + name: style for name, style in done.tp_styles.items()})
             experts = experts or done.experts
-            fsdp_units += [f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
-                           for unit in done.fsdp_units]  # fmt: skip
+            fsdp_units += [
+                f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
+                for unit in done.fsdp_units
+            ]
             views.append(view)
         if materialize:
             materialize_model(module, model, device)
@@ -184,10 +186,17 @@ class PipelineStages:
         runner = cls(module, spec, stages, schedule, microbatches, dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
         runner.layout = RankLayout.of(
-            dims, global_rank, stages=tuple(stage_ids), blocks=tuple(tuple(f"{spec.blocks_attr}.{key}" if
-            spec.blocks_attr else key for key in blocks) for blocks in stage_blocks), tp_styles=tp_styles,
-            fsdp_units=tuple(fsdp_units), experts=experts,
-        )  # fmt: skip
+            dims,
+            global_rank,
+            stages=tuple(stage_ids),
+            blocks=tuple(
+                tuple(f"{spec.blocks_attr}.{key}" if spec.blocks_attr else key for key in blocks)
+                for blocks in stage_blocks
+            ),
+            tp_styles=tp_styles,
+            fsdp_units=tuple(fsdp_units),
+            experts=experts,
+        )
         return runner
 
     @property

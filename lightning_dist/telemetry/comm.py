@@ -157,8 +157,9 @@ class CommTracker:
         timing: Time the calls made while it is True (count them either way). Set it per step to time a sample.
     """
 
-    def __init__(self, axis_groups: Mapping[str, Sequence[Any]] | None = None, device_type: str = "cpu",
-                 timing: bool = True):  # fmt: skip
+    def __init__(
+        self, axis_groups: Mapping[str, Sequence[Any]] | None = None, device_type: str = "cpu", timing: bool = True
+    ):
         self.use_cuda_events = device_type == "cuda"
         self.enabled = True
         self.timing = timing

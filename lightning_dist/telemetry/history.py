@@ -16,12 +16,23 @@ from lightning_dist.telemetry.comm import OUTER_AXIS
 from lightning_dist.telemetry.outer import DILOCO_KEYS
 
 #: Telemetry values copied into the records of the steps where the telemetry logged (every few steps).
-TELEMETRY_KEYS = ("perf/tokens_per_sec", "perf/tokens_per_sec_per_device", "perf/step_ms", "perf/data_ms", "perf/mfu",
-                  "memory/rss_gib", "memory/peak_allocated_gib", "comm/fraction",
-                  *(f"comm/{axis}/ms" for axis in REPORTED_AXES), "pipeline/bubble_fraction",
-                  "memory/params_gib", "memory/grads_gib", "memory/optimizer_gib",
-                  *(f"comm/{axis}/{kind}" for axis in (*REPORTED_AXES, OUTER_AXIS, "world")
-                    for kind in ("bytes", "calls")), *DILOCO_KEYS)  # fmt: skip
+TELEMETRY_KEYS = (
+    "perf/tokens_per_sec",
+    "perf/tokens_per_sec_per_device",
+    "perf/step_ms",
+    "perf/data_ms",
+    "perf/mfu",
+    "memory/rss_gib",
+    "memory/peak_allocated_gib",
+    "comm/fraction",
+    *(f"comm/{axis}/ms" for axis in REPORTED_AXES),
+    "pipeline/bubble_fraction",
+    "memory/params_gib",
+    "memory/grads_gib",
+    "memory/optimizer_gib",
+    *(f"comm/{axis}/{kind}" for axis in (*REPORTED_AXES, OUTER_AXIS, "world") for kind in ("bytes", "calls")),
+    *DILOCO_KEYS,
+)
 
 
 class LossHistory(pl.Callback):

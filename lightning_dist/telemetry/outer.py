@@ -27,8 +27,14 @@ from lightning_dist.parallel.compression import exchange_sizes
 from lightning_dist.telemetry.comm import BUS_FACTORS, OUTER_AXIS, CommTracker
 
 #: The keys :meth:`OuterSyncMeter.metrics` returns (all cumulative since the fit started; max over ranks).
-DILOCO_KEYS = ("diloco/outer_steps", "diloco/bytes_per_outer_step", "diloco/bytes_per_step",
-               "diloco/bus_bytes_per_step", "diloco/outer_ms", "diloco/outer_fraction")  # fmt: skip
+DILOCO_KEYS = (
+    "diloco/outer_steps",
+    "diloco/bytes_per_outer_step",
+    "diloco/bytes_per_step",
+    "diloco/bus_bytes_per_step",
+    "diloco/outer_ms",
+    "diloco/outer_fraction",
+)
 
 
 class OuterSyncMeter:

@@ -34,8 +34,21 @@ AXES = REPORTED_AXES  # comm/<axis>/ms as the telemetry logs it
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Store what the report needs (JSON-safe parts of the run's summary) as ``report.json``."""
-    keep = ("output_dir", "layout", "steps", "train_loss", "val_loss", "loss_floor", "history", "wall_time_s",
-            "ranks", "rank_layouts", "prediction", "hardware", "tokens_per_step")  # fmt: skip
+    keep = (
+        "output_dir",
+        "layout",
+        "steps",
+        "train_loss",
+        "val_loss",
+        "loss_floor",
+        "history",
+        "wall_time_s",
+        "ranks",
+        "rank_layouts",
+        "prediction",
+        "hardware",
+        "tokens_per_step",
+    )
     path = Path(run_dir) / REPORT_JSON
     path.write_text(json.dumps({k: summary[k] for k in keep if k in summary}, indent=1, default=str) + "\n")
     return path
@@ -77,8 +90,10 @@ def render(run_dir: Path) -> Path:
         ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
         figures.append(("step_time.png", _save(fig, run_dir / "step_time.png")))
 
-    series = {k: [(s, r[k]) for s, r in zip(steps, history) if k in r]
-              for k in ("perf/tokens_per_sec", "memory/peak_allocated_gib", "memory/rss_gib")}  # fmt: skip
+    series = {
+        k: [(s, r[k]) for s, r in zip(steps, history) if k in r]
+        for k in ("perf/tokens_per_sec", "memory/peak_allocated_gib", "memory/rss_gib")
+    }
     if any(series.values()):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 4.5), sharex=True)
         for key, points in series.items():
@@ -101,8 +116,11 @@ def tokens_per_step(data: dict[str, Any]) -> float | None:
     window, the median over them); None without either."""
     if data.get("tokens_per_step"):
         return float(data["tokens_per_step"])
-    counted = [r["perf/tokens_per_sec"] * r["perf/step_ms"] / 1e3 for r in data.get("history", [])
-               if "perf/tokens_per_sec" in r and "perf/step_ms" in r]  # fmt: skip
+    counted = [
+        r["perf/tokens_per_sec"] * r["perf/step_ms"] / 1e3
+        for r in data.get("history", [])
+        if "perf/tokens_per_sec" in r and "perf/step_ms" in r
+    ]
     return round(statistics.median(counted), 3) if counted else None
 
 
@@ -116,8 +134,11 @@ def loss_curves(data: dict[str, Any], window: int = 1, tokens: bool = True) -> d
     train = [(r["step"], r["train/loss"]) for r in data.get("history", []) if r.get("train/loss") is not None]
     if len(train) >= window:
         losses = [loss for _, loss in train]
-        curves["train/loss"] = [(step * scale, sum(losses[i + 1 - window : i + 1]) / window)
-                                for i, (step, _) in enumerate(train) if i + 1 >= window]  # fmt: skip
+        curves["train/loss"] = [
+            (step * scale, sum(losses[i + 1 - window : i + 1]) / window)
+            for i, (step, _) in enumerate(train)
+            if i + 1 >= window
+        ]
     val = [(r["step"] * scale, r["val/loss"]) for r in data.get("history", []) if r.get("val/loss") is not None]
     if val:
         curves["val/loss"] = val
@@ -168,13 +189,23 @@ def _save(fig: Any, path: Path) -> str:
 
 def _html(data: dict[str, Any], parts: dict[str, float], figures: list[tuple[str, str]]) -> str:
     esc = html.escape
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in (
-        ("run folder", data.get("output_dir")), ("layout", data.get("layout")), ("steps", data.get("steps")),
-        ("tokens per step", _count(tokens_per_step(data))), ("tokens seen", _count(_tokens_seen(data))),
-        ("wall time s", round(data.get("wall_time_s") or 0, 1)), ("final train/loss", data.get("train_loss")),
-        ("val/loss", data.get("val_loss")), ("loss floor", data.get("loss_floor"))))  # fmt: skip
-    images = "".join(f'<h2>{esc(name)}</h2><img alt="{esc(name)}" src="data:image/png;base64,{b64}">'
-                     for name, b64 in figures)  # fmt: skip
+    rows = "".join(
+        f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>"
+        for k, v in (
+            ("run folder", data.get("output_dir")),
+            ("layout", data.get("layout")),
+            ("steps", data.get("steps")),
+            ("tokens per step", _count(tokens_per_step(data))),
+            ("tokens seen", _count(_tokens_seen(data))),
+            ("wall time s", round(data.get("wall_time_s") or 0, 1)),
+            ("final train/loss", data.get("train_loss")),
+            ("val/loss", data.get("val_loss")),
+            ("loss floor", data.get("loss_floor")),
+        )
+    )
+    images = "".join(
+        f'<h2>{esc(name)}</h2><img alt="{esc(name)}" src="data:image/png;base64,{b64}">' for name, b64 in figures
+    )
     ranks = data.get("ranks") or []
     layout = ""
     if ranks:
@@ -185,10 +216,13 @@ def _html(data: dict[str, Any], parts: dict[str, float], figures: list[tuple[str
     prediction = ""
     if data.get("prediction"):
         pred = data["prediction"]
-        body = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(p))}</td><td>{esc(str(m))}</td></tr>"
-                       for k, (p, m) in pred.items())  # fmt: skip
-        prediction = (f"<h2>Planner estimate for this layout ({esc(str(data.get('hardware')))}) and measured</h2>"
-                      f"<table><tr><th></th><th>predicted</th><th>measured</th></tr>{body}</table>")  # fmt: skip
+        body = "".join(
+            f"<tr><th>{esc(k)}</th><td>{esc(str(p))}</td><td>{esc(str(m))}</td></tr>" for k, (p, m) in pred.items()
+        )
+        prediction = (
+            f"<h2>Planner estimate for this layout ({esc(str(data.get('hardware')))}) and measured</h2>"
+            f"<table><tr><th></th><th>predicted</th><th>measured</th></tr>{body}</table>"
+        )
     split = "".join(f"<tr><th>{esc(k)}</th><td>{v:.2f}</td></tr>" for k, v in parts.items())
     body = f"<table>{rows}</table>{images}<h2>Step time (ms, median)</h2><table>{split}</table>{layout}{prediction}"
     return _page("Run report", body)
@@ -245,9 +279,11 @@ def render_comparison(out_dir: Path, runs: Sequence[Path | dict[str, Any]], titl
     image = _save(fig, out_dir / "compare_loss.png")
     plt.close("all")
     esc = html.escape
-    body = (f"<p>{len(loaded)} runs; gaps are to {esc(loaded[0]['label'])}; x: {esc(_x_label(in_tokens))}.</p>"
-            f'<img alt="compare_loss.png" src="data:image/png;base64,{image}">'
-            f"<h2>Loss at the same tokens</h2>{comparison_table(loaded, in_tokens, window)}")  # fmt: skip
+    body = (
+        f"<p>{len(loaded)} runs; gaps are to {esc(loaded[0]['label'])}; x: {esc(_x_label(in_tokens))}.</p>"
+        f'<img alt="compare_loss.png" src="data:image/png;base64,{image}">'
+        f"<h2>Loss at the same tokens</h2>{comparison_table(loaded, in_tokens, window)}"
+    )
     page = out_dir / COMPARE_HTML
     page.write_text(_page(title, body))
     return page
@@ -264,20 +300,36 @@ def comparison_table(runs: list[dict[str, Any]], in_tokens: bool, window: int) -
         return run["val_loss"] if run.get("val_loss") is not None else (train[-1][1] if train else None)
 
     finals = [final(r) for r in runs]
-    head = ["run", "layout", "tokens seen", *(f"{x:.3g}{unit}" for x in points), "final val/loss (else train)",
-            f"vs {runs[0]['label']}", "vs floor", "comm/dp bytes / step", "DiLoCo bytes / step", "wall s"]  # fmt: skip
+    head = [
+        "run",
+        "layout",
+        "tokens seen",
+        *(f"{x:.3g}{unit}" for x in points),
+        "final val/loss (else train)",
+        f"vs {runs[0]['label']}",
+        "vs floor",
+        "comm/dp bytes / step",
+        "DiLoCo bytes / step",
+        "wall s",
+    ]
     rows = []
     for run, val, loss in zip(runs, vals, finals):
         history = run.get("history", [])
         dp = [r["comm/dp/bytes"] for r in history if "comm/dp/bytes" in r]
         diloco = [r["diloco/bytes_per_step"] for r in history if "diloco/bytes_per_step" in r]
         at, floor = {round(x, 6): y for x, y in val.items()}, run.get("loss_floor")
-        cells = [run["label"], run.get("layout", "-"), _count(_tokens_seen(run)),
-                 *(f"{at[x]:.4f}" if x in at else "-" for x in points), _num(loss),
-                 _num(loss - finals[0] if loss is not None and finals[0] is not None else None, "+"),
-                 _num(loss - floor if loss is not None and floor is not None else None, "+"),
-                 _count(statistics.median(dp) if dp else None), _count(diloco[-1] if diloco else None),
-                 _count(run.get("wall_time_s"))]  # fmt: skip
+        cells = [
+            run["label"],
+            run.get("layout", "-"),
+            _count(_tokens_seen(run)),
+            *(f"{at[x]:.4f}" if x in at else "-" for x in points),
+            _num(loss),
+            _num(loss - finals[0] if loss is not None and finals[0] is not None else None, "+"),
+            _num(loss - floor if loss is not None and floor is not None else None, "+"),
+            _count(statistics.median(dp) if dp else None),
+            _count(diloco[-1] if diloco else None),
+            _count(run.get("wall_time_s")),
+        ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<table><tr>{header}</tr>{''.join(rows)}</table>"

@@ -118,7 +118,12 @@ def model_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> dict[st
 
     params = {id(p): p for p in module.parameters()}.values()
     grads = [p.grad for p in params if p.grad is not None]
-    states = [value for opt in optimizers for state in opt.state.values() for value in state.values()
-              if isinstance(value, torch.Tensor)]  # fmt: skip
+    states = [
+        value
+        for opt in optimizers
+        for state in opt.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
     size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)  # noqa: E731
     return {"params": size(params), "grads": size(grads), "optimizer": size(states)}

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_dist"
 
 #: Top-level name (module or folder of lightning_dist) -> layer.
@@ -184,6 +182,40 @@ def test_function_local_imports_are_for_optional_dependencies_only() -> None:
     assert not local, f"{len(local)} function-local imports of required modules:\n" + "\n".join(local)
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_is_over_400_lines(path: Path) -> None:
-    assert len(path.read_text().splitlines()) <= 400, "split it by concern"
+#: The longest a function may be: a longer one is a sequence of steps that want names (split it there).
+MAX_FUNCTION_LINES = 80
+#: Functions still over the limit, each to be split into named steps (an entry that is no longer long fails too).
+LONG_FUNCTIONS: frozenset[str] = frozenset(
+    (
+        "lightning_dist/plan/collectives.py:step_collectives",
+        "lightning_dist/parallel/compose.py:parallelize",
+        "lightning_dist/strategies/stages.py:build",
+        "lightning_dist/telemetry/callback.py:_log",
+        "lightning_dist/plan/cost.py:estimate",
+        "lightning_dist/plan/memory.py:estimate_memory",
+    )
+)
+
+
+def test_functions_read_as_named_steps() -> None:
+    """A file is split by concern, never by a line count; a function over ``MAX_FUNCTION_LINES`` is split into named
+    steps."""
+    long: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if function and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                long.add(f"{path.relative_to(PACKAGE.parent)}:{node.name}")
+    assert long - LONG_FUNCTIONS == set(), f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps"
+    assert LONG_FUNCTIONS - long == set(), "split already: remove them from LONG_FUNCTIONS"
+
+
+def test_the_formatter_owns_the_layout() -> None:
+    """``# fmt: skip`` keeps an aligned table only; code is laid out by ``ruff format``."""
+    skips = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "# fmt: skip" in line
+    ]
+    assert skips == [], "let ruff format lay these out: " + ", ".join(skips)
