@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lightning_dist import __version__
-from lightning_dist.config.help import SCHEMAS, fields_of, groups, help_text, markdown, options, sections, top_fields
 from lightning_dist.config.parallelism import ParallelismConfig
+from lightning_dist.run.help import SCHEMAS, fields_of, groups, help_text, markdown, options, sections, top_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = shutil.which("lightning-dist-train", path=str(Path(sys.executable).parent)) or "lightning-dist-train"
@@ -73,5 +73,5 @@ def test_every_field_has_a_docstring(cls: type) -> None:
 def test_the_config_reference_is_current() -> None:
     committed = (ROOT / "docs" / "reference" / "config.md").read_text()
     assert committed == markdown(), (
-        "docs/reference/config.md is stale: python -m lightning_dist.config.help --markdown > docs/reference/config.md"
+        "docs/reference/config.md is stale: python -m lightning_dist.run.help --markdown > docs/reference/config.md"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import compose_config, fresh_env
 
-from lightning_dist.config import environment
+from lightning_dist import environment
 from lightning_dist.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,32 +5,11 @@ training, on each evaluated checkpoint's HuggingFace save). Torch-free: the laun
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_dist.config.shapes import hf_config, planned_model
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.lora_config import NF4_BLOCK, NF4_SCALER_BLOCK, LoraConfig
-
-
-@dataclass
-class EvalConfig:
-    """lm-evaluation-harness tasks run on the model during training (``eval.tasks=[hellaswag] eval.every_n_steps=500``),
-    from each checkpoint's HuggingFace save (``checkpoint.save_hf=true``), logged as ``eval/<task>/<metric>``; after
-    training: ``lightning-dist-eval RUN --tasks ...``."""
-
-    tasks: list[str] = field(default_factory=list)
-    """lm-eval task names (or of your include_path); [] = no evaluation during training."""
-    every_n_steps: int | None = None
-    """Evaluate the checkpoint of every step that is a multiple of this (a multiple of checkpoint.every_n_steps);
-    None = checkpoint.every_n_steps."""
-    limit: float | None = None
-    """Examples per task (>= 1) or a fraction of each task (< 1); None = all."""
-    num_fewshot: int | None = None
-    """Few-shot examples per prompt; None = each task's default."""
-    include_path: str | None = None
-    """A folder of task YAML files of your own (a local dataset: dataset_path: json with data_files)."""
-    batch_size: int = 8
-    """lm-eval's batch size."""
 
 
 def check_finetune(cfg: Any, dims: Any) -> None:
@@ -107,8 +86,6 @@ def check_qlora(cfg: Any, dims: Any) -> None:
 def _block_linear_sizes(model: Any) -> dict[str, int]:
     """The values in each linear weight of a block, for the built-in GPT and Llama-family HuggingFace models (the
     planner's shapes); {} for another model (``models/qlora.py`` checks its layers once built)."""
-    from lightning_dist.config.shapes import planned_model  # deferred: shapes reads the schema, which holds EvalConfig
-
     try:
         cfg = planned_model(model)
     except ValueError:
@@ -123,8 +100,6 @@ def _block_linear_sizes(model: Any) -> dict[str, int]:
 
 def _hf_model_type(model: Any) -> str | None:
     """``model=hf``'s family (``config.json``'s ``model_type``) where it is known before launch."""
-    from lightning_dist.config.shapes import hf_config  # deferred: shapes reads the schema, which holds EvalConfig
-
     return getattr(hf_config(model), "model_type", None)
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_dist.config.hub import hub_cache_dir as hub_cache_dir  # re-exported: its first home
-from lightning_dist.config.hub import hub_snapshot
 from lightning_dist.config.schema import HFModelConfig, TrainConfig
+from lightning_dist.hub import hub_snapshot
 
 
 def resolve_pretrained(cfg: TrainConfig) -> None:
@@ -34,7 +33,7 @@ def resolve_pretrained(cfg: TrainConfig) -> None:
 
 def pretrained_folder(name: str) -> Path:
     """The local HuggingFace folder of ``model.pretrained``: a folder as given, or a hub id's snapshot in the cache
-    (downloaded there first when it is not: :func:`~lightning_dist.config.hub.hub_snapshot`).
+    (downloaded there first when it is not: :func:`~lightning_dist.hub.hub_snapshot`).
 
     A hub id may name a revision (``org/name@<branch, tag or commit>``; default ``main``).
 

@@ -3,7 +3,7 @@
 Each group of ``conf/`` (model, data, parallelism, cluster, trainer) is validated against one dataclass here, so an
 unknown key or a wrong type fails at composition; loggers and callbacks are Lightning classes built from ``_target_``.
 The string under each field is its help text: ``lightning-dist-train --help <group>`` and
-docs/reference/config.md (:mod:`lightning_dist.config.help`) show it.
+docs/reference/config.md (:mod:`lightning_dist.run.help`) show it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_dist.config.environment import hydra_run_dir, hydra_subdir
-from lightning_dist.config.finetune import EvalConfig
 from lightning_dist.config.keys import unknown_key
 from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
+from lightning_dist.environment import hydra_run_dir, hydra_subdir
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.optim_config import OptimConfig
@@ -276,6 +275,27 @@ class HFModelConfig:
     layouts were not checked against one process."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (LoRA, peft) trained on the frozen model: model.lora.rank=16 (0 = every weight trained)."""
+
+
+@dataclass
+class EvalConfig:
+    """lm-evaluation-harness tasks run on the model during training (``eval.tasks=[hellaswag] eval.every_n_steps=500``),
+    from each checkpoint's HuggingFace save (``checkpoint.save_hf=true``), logged as ``eval/<task>/<metric>``; after
+    training: ``lightning-dist-eval RUN --tasks ...``."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (or of your include_path); [] = no evaluation during training."""
+    every_n_steps: int | None = None
+    """Evaluate the checkpoint of every step that is a multiple of this (a multiple of checkpoint.every_n_steps);
+    None = checkpoint.every_n_steps."""
+    limit: float | None = None
+    """Examples per task (>= 1) or a fraction of each task (< 1); None = all."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt; None = each task's default."""
+    include_path: str | None = None
+    """A folder of task YAML files of your own (a local dataset: dataset_path: json with data_files)."""
+    batch_size: int = 8
+    """lm-eval's batch size."""
 
 
 @dataclass

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from hydra.utils import get_class
 
-from lightning_dist.config import environment
+from lightning_dist import environment
+from lightning_dist.config import cluster_rules
 from lightning_dist.config.finetune import check_finetune
-from lightning_dist.config.hub import resolve_data_path
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -34,6 +34,7 @@ from lightning_dist.config.tp_plan import load_tp_plan
 from lightning_dist.config.trainer_args import adopt_lightning_names
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
+from lightning_dist.hub import resolve_data_path
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.parallel.options import ParallelOptions
@@ -78,26 +79,26 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     resolve_data_path(cfg.data)  # data=hf data.path=<hub dataset id> -> its local snapshot
     asked = f"resume={cfg.resume}" if cfg.resume is not None else f"ckpt_path={cfg.ckpt_path}"
     if cfg.resume is None and cfg.ckpt_path != "last" and environment.restart_count() == 0:
-        environment.check_new_run_folder(cfg.output_dir, cfg.ckpt_path)  # a new run never writes over another's
+        cluster_rules.check_new_run_folder(cfg.output_dir, cfg.ckpt_path)  # a new run never writes over another's
     if _continues_or_starts_from_weights(cfg):  # else it starts fresh in output_dir: no checkpoint to read
         # deferred: reading checkpoints and weights needs torch (test_layering: DEFERRED)
-        from lightning_dist.config.resume import resolve_start
+        from lightning_dist.config.start import resolve_start
 
         cfg.output_dir, cfg.ckpt_path = resolve_start(cfg)
     cfg.resume = None
     if par.strategy not in CANNOT_DO:
         raise ValueError(f"parallelism.strategy={par.strategy!r} is unknown; use one of {sorted(CANNOT_DO)}.")
     adopt_lightning_names(trainer, cluster)  # trainer.devices=4 is cluster.devices=4
-    cluster.accelerator = environment.resolve_accelerator(cluster.accelerator)
-    environment.adopt_launcher_sizes(cluster)
+    cluster.accelerator = cluster_rules.resolve_accelerator(cluster.accelerator)
+    cluster_rules.adopt_launcher_sizes(cluster)
     if cluster.collective_timeout_s <= 0:
         raise ValueError(f"cluster.collective_timeout_s={cluster.collective_timeout_s} must be > 0 (seconds).")
     if cluster.launcher not in ("local", "slurm"):
         raise ValueError(f"cluster.launcher={cluster.launcher!r} is unknown; use local or slurm.")
-    if environment.should_submit(cluster):
-        environment.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
+    if cluster_rules.should_submit(cluster):
+        cluster_rules.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
     elif not one_rank_here:
-        environment.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+        cluster_rules.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
     check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
@@ -109,7 +110,7 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     _check_layout(cfg, dims, options, per_rank_batch)
     if _continues_its_own_run(cfg):  # once resolved (micro batches, the tokenizer), as the checkpoint noted them
         # deferred: reading a checkpoint needs torch (test_layering: DEFERRED)
-        from lightning_dist.config.resume import check_unchanged
+        from lightning_dist.config.start import check_unchanged
 
         check_unchanged(cfg, asked)
     if trainer.enable_progress_bar is None:
@@ -119,7 +120,7 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
 
 
 def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
-    """Whether :func:`~lightning_dist.config.resume.resolve_start` has anything to resolve: a checkpoint or weights
+    """Whether :func:`~lightning_dist.config.start.resolve_start` has anything to resolve: a checkpoint or weights
     named, or a torchrun / SLURM start that may be a restart of the job."""
     named = cfg.resume is not None or cfg.ckpt_path is not None or cfg.init_from is not None
     return named or environment.launcher() in ("torchrun", "slurm")

@@ -9,15 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dist.hub import HUB_STREAM
+
 KINDS = ("synthetic", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
 #: data=hf: documents (text), prompt / response records (instruction), or conversations (chat).
 HF_FORMATS = ("text", "instruction", "chat")
 #: data=hf, .txt files: what one document is (the ``sample_by`` of the datasets library's text loader).
 SAMPLE_BY = ("document", "paragraph", "line")
-#: data.streaming=true: a train source streamed from the hub, ``hf://datasets/<org/name>[@<revision>]`` (a hub id not
-#: cached becomes one before launch: ``lightning_dist.config.hub.hub_stream``).
-HUB_STREAM = "hf://datasets/"
 
 
 @dataclass

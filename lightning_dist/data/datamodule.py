@@ -122,7 +122,7 @@ class TokenDataModule(pl.LightningDataModule):
             self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
         elif cfg.kind == "hf" and cfg.streaming:
             for path in sources(cfg):  # missing sources fail here, before launch; the stream is built per rank
-                if hub_stream_id(path) is None:  # a hub dataset: looked up before launch (config/hub.py)
+                if hub_stream_id(path) is None:  # a hub dataset: looked up before launch (lightning_dist/hub.py)
                     corpus.corpus_files(path)
             self._datasets = {"val": _packed(build_cache(cfg, "data.val_path"))} if cfg.val_path else {}
         elif cfg.kind == "hf":

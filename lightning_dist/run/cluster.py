@@ -1,6 +1,6 @@
 """Checks a rank makes once it runs under torchrun or ``srun`` (its launcher's layout against the config), and
 Lightning's cluster environment for it. What can be read before launch lives in
-:mod:`lightning_dist.config.environment`.
+:mod:`lightning_dist.environment`.
 
 Lightning is imported by the two functions that hand it objects, which run in a rank: the launcher imports this module
 (for :func:`preflight`) without importing Lightning."""
@@ -14,7 +14,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config.environment import env_int, launcher, slurm_tasks_on_node
+from lightning_dist.environment import env_int, launcher, slurm_tasks_on_node
 
 
 # ---------------------------------------------------------------------------------------------------- preflight

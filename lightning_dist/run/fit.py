@@ -20,11 +20,11 @@ from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
 from lightning_dist.config.build import build_datamodule, build_module
-from lightning_dist.config.environment import is_global_zero
-from lightning_dist.config.resume import run_record
 from lightning_dist.config.schema import TrainConfig
+from lightning_dist.config.start import run_record
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.data import TokenDataModule
+from lightning_dist.environment import is_global_zero
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.run.cluster import SharedFolderCheck, enable_flight_recorder, lightning_environment
 from lightning_dist.run.console import log_to, say

@@ -32,9 +32,9 @@ from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
 
+from lightning_dist import environment
 from lightning_dist._compat import run_atexit_handlers
 from lightning_dist.callbacks import beat_file
-from lightning_dist.config import environment
 from lightning_dist.errors import LightningDistError, restart_would_repeat
 
 #: How long ranks get to reach a step boundary and save after the launcher forwarded a signal.
@@ -84,7 +84,7 @@ class RankFailedError(LightningDistError, RuntimeError):
 def launched_externally() -> bool:
     """True when this process is already one rank of a launched job (ours, torchrun or SLURM's srun).
 
-    Only a launcher's full set of variables counts (see :func:`lightning_dist.config.environment.launcher`).
+    Only a launcher's full set of variables counts (see :func:`lightning_dist.environment.launcher`).
     """
     return environment.launcher() is not None
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.config.environment import process_start_time
+from lightning_dist.environment import process_start_time
 
 LOCK = ".run.lock"  #: in the run folder, held by the job that runs in it
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

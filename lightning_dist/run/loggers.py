@@ -26,8 +26,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 
 from lightning_dist import _compat
 from lightning_dist.callbacks.checkpoints import RunCheckpoints, wandb_step_of
-from lightning_dist.config.environment import is_global_zero
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
+from lightning_dist.environment import is_global_zero
 from lightning_dist.models.gpt_config import GPTConfig
 
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_dist.config.hub import hub_snapshot, looks_like_hub_id
 from lightning_dist.data import corpus
 from lightning_dist.data.config import DataConfig
+from lightning_dist.hub import hub_snapshot, looks_like_hub_id
 
 
 def _source_files(source: str) -> list[Path]:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist import _compat
-from lightning_dist.config.environment import is_global_zero, launcher
 from lightning_dist.config.schema import TrainConfig
+from lightning_dist.environment import is_global_zero, launcher
 from lightning_dist.run.result import RunResult
 
 

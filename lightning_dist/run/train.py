@@ -27,18 +27,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_dist.config.environment import is_global_zero, should_submit
-from lightning_dist.config.help import help_text
+from lightning_dist.config.cluster_rules import should_submit
 from lightning_dist.config.keys import group_options, hydra_error_line, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
+from lightning_dist.environment import is_global_zero
 from lightning_dist.errors import PREEMPTED_EXIT_CODE, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
+from lightning_dist.run.help import help_text
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.lock import hold_run_folder
 from lightning_dist.run.result import RunResult
@@ -262,7 +263,7 @@ def _launch_with_restarts(valid: ValidRun) -> RunResult:
             if attempt == cfg.resilience.max_restarts or err.will_repeat:
                 raise
             # deferred: only a restart reads the checkpoint store (torch); a run that succeeds never imports it
-            from lightning_dist.config.resume import newest_whole
+            from lightning_dist.checkpoint.resume import newest_whole
 
             latest = newest_whole(out_dir / "checkpoints", cfg.checkpoint.verify == "checksums")
             valid = replace(valid, cfg=replace(valid.cfg, ckpt_path=str(latest) if latest is not None else None))

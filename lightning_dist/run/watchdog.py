@@ -22,7 +22,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 from lightning_dist.callbacks import beat_file
-from lightning_dist.config.environment import env_int, launcher, restart_count
+from lightning_dist.environment import env_int, launcher, restart_count
 
 #: The exit code of a rank whose watchdog found a hung rank.
 HUNG_EXIT_CODE = 1

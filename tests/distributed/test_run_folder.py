@@ -14,7 +14,7 @@ import pytest
 from helpers import FAST, compose_config, run_app
 
 from lightning_dist.checkpoint.store import RUN_RECORD, run_record_of
-from lightning_dist.config.resume import run_record
+from lightning_dist.config.start import run_record
 from lightning_dist.config.validate import validate
 from lightning_dist.run.lock import LOCK
 

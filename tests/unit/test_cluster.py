@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, compose_config
 
+from lightning_dist import environment as where
 from lightning_dist.checkpoint.folder import merge_parts
-from lightning_dist.config import environment as where
 from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.run import cluster, slurm
 from lightning_dist.run.train import run
@@ -212,7 +212,7 @@ def test_a_requeued_job_continues_and_a_reused_folder_is_refused(tmp_path: Path,
         validate(compose_config(overrides, tmp_path))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
     # Which checkpoint a requeued job continues from: its files are placeholders, so their tensors go unchecked.
-    monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
+    monkeypatch.setattr("lightning_dist.config.start._check_ckpt_fits", lambda *args: None)
     cfg = compose_config(overrides, tmp_path)
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)
@@ -260,7 +260,7 @@ def test_a_torchrun_restart_continues_and_its_store_is_prefixed_by_the_attempt(t
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     # Which checkpoint a restarted job continues from: its files are placeholders, so their tensors go unchecked.
-    monkeypatch.setattr("lightning_dist.config.resume._check_ckpt_fits", lambda *args: None)
+    monkeypatch.setattr("lightning_dist.config.start._check_ckpt_fits", lambda *args: None)
     cfg = compose_config([*FAST, "cluster.devices=2"], tmp_path)
     cfg = validate(cfg).cfg
     assert cfg.ckpt_path == str(step)  # continued from the newest checkpoint of the job's folder

@@ -16,8 +16,8 @@ import pytest
 import torch
 from helpers import FAST, compose_config
 
-from lightning_dist.config.hub import hub_snapshot
 from lightning_dist.config.validate import validate
+from lightning_dist.hub import hub_snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from hub_standin import HubStandIn
@@ -124,7 +124,7 @@ def test_a_streamed_mixture_s_hub_sources_stay_on_the_hub_and_its_val_path_is_do
     cfg = compose_config([*FAST, "data=hf", "data.streaming=true", f"data.path=[tiny-org/tiny-corpus,{local}]",
                           "data.weights=[1,2]", "data.tokenizer=/unused",
                           "data.val_path=tiny-org/tiny-corpus"])  # fmt: skip
-    from lightning_dist.config.hub import resolve_data_path
+    from lightning_dist.hub import resolve_data_path
 
     resolve_data_path(cfg.data)
     hubbed, kept = cfg.data.path
@@ -204,7 +204,7 @@ def test_a_streamed_hub_dataset_offline_reads_the_cache_or_stops_with_one_line(
 ) -> None:
     cfg = compose_config([*FAST, "data=hf", "data.streaming=true", "data.path=[tiny-org/tiny-corpus]",
                           "data.tokenizer=/unused"])  # fmt: skip
-    from lightning_dist.config.hub import resolve_data_path
+    from lightning_dist.hub import resolve_data_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     message = (r"^data.path=tiny-org/tiny-corpus is not in the HuggingFace cache \(.*\) and HF_HUB_OFFLINE is set, so "

@@ -20,6 +20,8 @@ LAYERS: dict[str, int] = {
     "lazy": 0,
     "errors": 0,
     "parallel_dims": 0,
+    "environment": 0,  # where this process runs: launcher, restarts, run folder
+    "hub": 0,  # the HuggingFace hub: snapshots and streams, offline-aware
     "parallel": 1,  # model-agnostic parallelism: no Lightning, no model code
     "contract": 2,  # what a LightningModule may offer the strategies
     "models": 2,
@@ -40,15 +42,14 @@ OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich",
 #: fork from a server that has them loaded), and only the configs, restarts or ranks that use them pay for them.
 #: importer -> what it may import so; each such import says why in a comment. Down the layers as any import.
 DEFERRED: dict[str, tuple[str, ...]] = {
-    "lightning_dist.config.environment": ("torch",),  # CUDA devices, for cluster.accelerator=gpu / auto
-    "lightning_dist.config.finetune": ("lightning_dist.config.shapes",),  # QLoRA's family; shapes needs the schema
+    "lightning_dist.environment": ("torch",),  # CUDA devices, for cluster.accelerator=gpu / auto
     "lightning_dist.config.pretrained": ("lightning_dist.checkpoint.weights",),  # model.pretrained only
     "lightning_dist.config.shapes": (
         "lightning_dist.models.hf",  # model=hf only
         "lightning_dist.models.hf_init",  # model=hf only: its class's attention implementations
     ),
     "lightning_dist.config.validate": (
-        "lightning_dist.config.resume",  # a checkpoint or weights to start from
+        "lightning_dist.config.start",  # a checkpoint or weights to start from
         "lightning_dist.data.datamodule",  # data=text / tokens / hf: their files are read before launch
         "lightning_dist.models.gpt_parallel",  # tp > 1
         "lightning_dist.models.hf_context",  # model=hf with cp > 1
@@ -63,7 +64,7 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     ),
     "lightning_dist.run.launch": ("torch", "torch.distributed"),  # in a rank
     "lightning_dist.run.train": (
-        "lightning_dist.config.resume",  # a restart
+        "lightning_dist.checkpoint.resume",  # a restart
         "lightning_dist.plan.estimate_run",  # in rank 0
         "lightning_dist.run.fit",  # in a rank
     ),

@@ -31,7 +31,7 @@ def _heavy_after(code: str) -> list[str]:
     [
         "lightning_dist",  # the package root: its names (MeshStrategy, ...) load on first use
         "lightning_dist.callbacks.beat_file",  # the callbacks (Lightning) load on first use
-        "lightning_dist.config.environment",  # CUDA devices are counted only for cluster.accelerator=gpu / auto
+        "lightning_dist.environment",  # CUDA devices are counted only for cluster.accelerator=gpu / auto
         "lightning_dist.data.config",
         "lightning_dist.models.gpt_config",  # GPT (torch) loads on first use
         "lightning_dist.models.optim_config",

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_dist.data.config import HUB_STREAM
-
+#: data.streaming=true: a train source streamed from the hub, ``hf://datasets/<org/name>[@<revision>]`` (a hub id not
+#: cached becomes one before launch: :func:`hub_stream`).
+HUB_STREAM = "hf://datasets/"
 #: What a run reads from a model repo (not ``*.bin`` / ``*.pth`` / ``original/``: the safetensors are read).
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
 #: A dataset repo's data files that ``data=hf`` reads, with its README (dataset card) and configs.

@@ -2,7 +2,7 @@
 
 Each field's help is the docstring under it in its dataclass (:mod:`lightning_dist.config.schema` and the classes it
 composes); each option's is the comment at the top of its YAML file in ``conf/``. The same text, as Markdown, is
-``docs/reference/config.md``: ``python -m lightning_dist.config.help --markdown > docs/reference/config.md`` writes it
+``docs/reference/config.md``: ``python -m lightning_dist.run.help --markdown > docs/reference/config.md`` writes it
 again (``tests/test_help.py`` fails while the committed file differs).
 """
 
@@ -259,7 +259,7 @@ def markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "<!-- Generated from the schema's docstrings and conf/ by `python -m lightning_dist.config.help --markdown >",
+        "<!-- Generated from the schema's docstrings and conf/ by `python -m lightning_dist.run.help --markdown >",
         "docs/reference/config.md`; tests/test_help.py fails when this file is stale. Do not edit by hand. -->",
         "",
         f"Every field is set on the command line as `{APP} group.field=value`; a group's option as `group=option`.",
@@ -310,7 +310,7 @@ def _cell(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_dist.config.help [--markdown | topic]``."""
+    """``python -m lightning_dist.run.help [--markdown | topic]``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--markdown"]:
         sys.stdout.write(markdown())

@@ -1,9 +1,9 @@
-"""Which run this is and where it starts: the run it continues (``resume``, ``ckpt_path``, a torchrun / SLURM
-restart) or the weights it starts from (``init_from``), resolved and checked before launch."""
+"""Where a run starts, checked against its config before launch: the checkpoint it continues (found by
+:mod:`lightning_dist.checkpoint.resume`) holds this model's tensors and was written by a run with the same data stream
+and LR schedule (its run record); the weights it starts from (``init_from``) fit the model."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
-from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, read_rest, run_record_of, unchecked_note
+from lightning_dist.checkpoint.resume import find_start, note
+from lightning_dist.checkpoint.store import check_loadable, read_rest, run_record_of
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
-from lightning_dist.config.environment import is_global_zero, launcher, restart_count, resume_folder
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
@@ -23,53 +23,20 @@ from lightning_dist.models.qlora import NF4_NAMES
 
 
 def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
-    """Where the run lives and which checkpoint it continues from: ``(output_dir, ckpt_path)`` with ``resume`` /
-    ``ckpt_path=last`` / a torchrun or SLURM restart resolved; checks ``init_from`` when the run starts fresh.
-    ``cfg`` is not changed.
+    """Where the run lives and which checkpoint it continues from (:func:`~lightning_dist.checkpoint.resume.
+    find_start`), checked against the run's model; ``init_from`` checked when the run starts fresh. ``cfg`` is not
+    changed.
 
     Raises:
         ValueError: One line naming the value and the fix.
     """
-    output_dir, ckpt_path, resume = cfg.output_dir, cfg.ckpt_path, cfg.resume
-    checksums = cfg.checkpoint.verify == "checksums"
-    if ckpt_path == "last":
-        resume, ckpt_path = "auto", None
-    if resume is None and ckpt_path is None:
-        ckpt_path = _continue_after_external_restart(output_dir, checksums)
-    if resume is not None:
-        if ckpt_path is not None:
-            raise ValueError(f"resume={resume} and ckpt_path={ckpt_path}: set only one of them.")
-        run_dir, found = resolve_resume(resume, output_dir, checksums)
-        output_dir, ckpt_path = str(run_dir), str(found)
-    elif ckpt_path is not None and not Path(ckpt_path).exists():
-        raise ValueError(f"ckpt_path={ckpt_path} does not exist; give a checkpoint file or folder.")
+    output_dir, ckpt_path = find_start(cfg.resume, cfg.ckpt_path, cfg.output_dir, cfg.checkpoint.verify == "checksums")
     if ckpt_path is not None:
-        check_loadable(Path(ckpt_path), checksums)
-        unchecked = unchecked_note(Path(ckpt_path))
-        if unchecked:
-            _note(f"warning: {unchecked}")
         label = f"ckpt_path={ckpt_path}" if cfg.ckpt_path not in (None, "last") else f"checkpoint {ckpt_path}"
         _check_ckpt_fits(cfg, Path(ckpt_path), label)
     elif cfg.init_from is not None:
         _check_init_from(cfg)
     return output_dir, ckpt_path
-
-
-def _continue_after_external_restart(output_dir: str | None, checksums: bool) -> str | None:
-    """torchrun ``--max-restarts`` or a SLURM requeue started this job again: continue from its newest checkpoint.
-
-    (Its first start into a folder that holds checkpoints is refused, as on every launcher:
-    :func:`~lightning_dist.config.environment.check_new_run_folder`.)
-    """
-    restarts = restart_count()
-    if launcher() not in ("torchrun", "slurm") or restarts == 0:
-        return None
-    found = newest_whole(Path(output_dir) / "checkpoints", checksums) if output_dir else None
-    if found is None:
-        return None
-    if is_global_zero():
-        print(f"restart {restarts}: continuing from {found}", file=sys.stderr, flush=True)
-    return str(found)
 
 
 # ------------------------------------------------------------------------------ what defines the run it continues
@@ -113,7 +80,7 @@ def check_unchanged(cfg: TrainConfig, label: str) -> None:
     if not changes:
         return
     if cfg.resume_allow_changes:
-        _note(f"warning: resume_allow_changes=true: continuing {cfg.ckpt_path} with {', '.join(changes)}")
+        note(f"warning: resume_allow_changes=true: continuing {cfg.ckpt_path} with {', '.join(changes)}")
         return
     raise ValueError(
         f"{label} continues a run with other values: {', '.join(changes)}; it would not continue that run (another "
@@ -167,52 +134,3 @@ def _on_meta(cfg: TrainConfig) -> torch.nn.Module:
         module = build_module(cfg)
         module.configure_model()
     return module
-
-
-def resolve_resume(resume: str, output_dir: str | None, checksums: bool = True) -> tuple[Path, Path]:
-    """The run folder to continue and its newest whole checkpoint, for ``resume=auto`` or ``resume=<path>``.
-
-    ``auto`` continues ``output_dir``; a path names a run folder, its ``checkpoints`` folder, or one checkpoint in it.
-    Damaged checkpoints (a file missing, truncated or, with ``checksums``, changed) are passed over, each with one line
-    naming the file and the checkpoint used instead.
-
-    Raises:
-        ValueError: There is no complete checkpoint to continue from (one line naming where it looked).
-    """
-    if resume == "auto":
-        if output_dir is None:
-            raise ValueError("resume=auto continues output_dir, which is not set; pass resume=<run folder>.")
-        run_dir = Path(output_dir)
-    else:
-        path = Path(resume).expanduser().resolve()
-        run_dir = resume_folder(resume)
-        if path.parent.name == "checkpoints" and path.exists():
-            return run_dir, path
-    skipped: list[tuple[Path, str]] = []
-    found = newest_whole(run_dir / "checkpoints", checksums, skipped)
-    if found is None:
-        damaged = f" ({'; '.join(f'{path.name}: {problem}' for path, problem in skipped)})" if skipped else ""
-        raise ValueError(
-            f"resume={resume}: no complete checkpoint in {run_dir / 'checkpoints'}{damaged}; give the folder of the "
-            "run to continue (resume=outputs/<date>/<time>), or start a new run without resume."
-        )
-    return run_dir, found
-
-
-def newest_whole(dirpath: Path, checksums: bool, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
-    """:func:`~lightning_dist.checkpoint.store.latest_checkpoint`, printing one line for each damaged checkpoint it
-    passes over (rank 0): the file that is wrong and the checkpoint used instead."""
-    passed: list[tuple[Path, str]] = []
-    found = latest_checkpoint(dirpath, checksums, passed)
-    for path, problem in passed:
-        instead = f"continuing from {found}" if found is not None else "no whole checkpoint is left"
-        _note(f"skipped checkpoint {path}: {problem}; {instead}")
-    if skipped is not None:
-        skipped.extend(passed)
-    return found
-
-
-def _note(line: str) -> None:
-    """One line on stderr, from rank 0 only (under torchrun / srun every rank checks the config)."""
-    if is_global_zero():
-        print(line, file=sys.stderr, flush=True)
