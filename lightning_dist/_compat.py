@@ -179,18 +179,15 @@ def run_atexit_handlers() -> None:
 
 # ------------------------------------------------------------------------------------------- Lightning strategies
 class BeforeLaunchHook:
-    """Mixin for a Lightning strategy: ``before_launch()`` runs once the number of processes is known, before any
-    process is launched (so a bad layout fails once, in the launching process).
+    """Base of a Lightning strategy whose ``before_launch()`` (its own method) runs once the number of processes is
+    known, before any process is launched (so a bad layout fails once, in the launching process).
 
     Lightning has no public hook there; ``Strategy._configure_launcher`` (private) is where the accelerator connector
     hands the strategy its devices and asks for a launcher.
     """
 
-    def before_launch(self) -> None:
-        """Override: checks that need the number of processes."""
-
     def _configure_launcher(self) -> None:
-        self.before_launch()
+        self.before_launch()  # type: ignore[attr-defined]
         super()._configure_launcher()  # type: ignore[misc]
 
 
@@ -225,10 +222,12 @@ def init_after_torchrun_restart(strategy: Any) -> None:
 
 
 def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
-    """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` and ``LightningModule.device_mesh``.
+    """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` (``strategy=None``: no strategy, a traced
+    rank) and ``LightningModule.device_mesh``.
 
     Both are read-only views of private attributes ``ModelParallelStrategy.setup_environment`` sets to its own mesh."""
-    strategy._device_mesh = mesh
+    if strategy is not None:
+        strategy._device_mesh = mesh
     module._device_mesh = mesh
 
 

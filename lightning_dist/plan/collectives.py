@@ -191,6 +191,8 @@ def step_collectives(
     roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]
     block = block_tensors(cfg, tp, sp)
     moe = moe_blocks_of_stage(cfg, lay, stage)  # MoE blocks come after the dense ones (moe.dense_layers)
+    if moe and lay.dims.dp_cp_size > 1:  # the routers' token counts and loss sums (parallel/step.py: finish_gradients)
+        add(world if ddp else DP, "all_reduce", moe * (cfg.moe.num_experts + 3) * 4, 1, "the MoE routers' load")
     experts = expert_tensors(cfg, lay.ep) if moe else []
     moe_block = moe_block_tensors(cfg, tp, sp) + (experts if lay.ep == 1 else [])  # ep > 1: the experts' own unit
     moe_tensors = (moe_block_tensors(cfg, tp, sp) + experts) * moe
@@ -316,13 +318,13 @@ def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     lay = layout
     if not lay.diloco:
         return []
-    opts, n, compression = lay.options, lay.dp_replicate, lay.options.diloco_compression
+    opts, n, compression = lay.options.diloco, lay.dp_replicate, lay.options.diloco.compression
     out = []
     what = {"all_reduce": "all-reduced", "all_to_all": "chunks reduce-scattered", "all_gather": "means gathered"}
     for numel in fragment_elements(cfg, lay, stage):  # as parallel/compression.py sends it
         for op, size in exchange_sizes(numel, compression, n):
             out.append(Collective("dp_replicate", op, size, 1, f"DiLoCo pseudo-gradient ({compression}, {what[op]})"))
-    assert len(out) == opts.diloco_fragments * (1 if compression == "fp32" else 2)
+    assert len(out) == opts.fragments * (1 if compression == "fp32" else 2)
     return out
 
 
@@ -353,7 +355,7 @@ def fragment_elements(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     sizes = dict(named)
     return [
         sum(sizes[name] for name in fragment)
-        for fragment in build_fragments(named, lay.options.diloco_fragments, blocks)
+        for fragment in build_fragments(named, lay.options.diloco.fragments, blocks)
     ]
 
 

@@ -207,7 +207,7 @@ def estimate(
     bubble = bubble_fraction(lay) if lay.pp > 1 else 0.0
     exposed = sum(c["exposed_s"] for c in comm.values())
     step_s = (compute_s + exposed) / (1 - bubble)
-    if lay.options.cpu_offload:  # the host's part of the step, never hidden (torch's AdamW on the CPU)
+    if lay.options.fsdp.cpu_offload:  # the host's part of the step, never hidden (torch's AdamW on the CPU)
         step_s += offload_seconds(lay, memory.params // 4, blocks)
     if lay.diloco:  # after the inner step, outside its bubble
         step_s += _outer_sync(cfg, lay, hw, comm, step_s)
@@ -227,7 +227,7 @@ def estimate(
 
 
 def offload_seconds(lay: Layout, local: int, blocks: int) -> float:
-    """Seconds a step spends on ``parallelism.cpu_offload``: every all-gather of a unit first copies its fp32 shard
+    """Seconds a step spends on ``parallelism.fsdp.cpu_offload``: every all-gather of a unit first copies its fp32 shard
     to the device, each gradient shard comes back, at :data:`PCIE_GBPS`; AdamW runs on the host,
     :data:`ADAMW_HOST_BYTES` per element at :data:`HOST_GBPS`. ``local``: the rank's parameter elements."""
     gathers = 1 if lay.pp > 1 else 2 * lay.microbatches * blocks / (blocks + 1)  # the last unit and root: once
@@ -249,18 +249,18 @@ def _outer_sync(
     Each fragment's exchange blocks (tau = 0) or overlaps tau inner steps of ``inner_s`` (the link otherwise idle);
     the host work (backup copies, the outer SGD) is never hidden: parallel/diloco.py runs it in the step.
     """
-    opts = lay.options
-    every, link = opts.diloco_every, _axis_link(hw, lay, "dp_replicate")
+    opts = lay.options.diloco
+    every, link = opts.every, _axis_link(hw, lay, "dp_replicate")
     outer = outer_collectives(cfg, lay)
     wire = [c.bytes * BUS_FACTORS[c.op](lay.dp_replicate) / link / 1e9 for c in outer]
     # The delay overlaps the exchange's first collective; a compressed one's all-gather of the chunk means runs when
     # the result is applied (parallel/compression.py), exposed.
-    hidden = [0.0 if c.op == "all_gather" else opts.diloco_delay * inner_s for c in outer]
+    hidden = [0.0 if c.op == "all_gather" else opts.delay * inner_s for c in outer]
     exposed = sum(max(0.0, t - h) for t, h in zip(wire, hidden))
     host = sum(fragment_elements(cfg, lay)) * HOST_BYTES_PER_ELEMENT / HOST_GBPS / 1e9
     axis = comm.setdefault("dp_replicate", {"bytes": 0, "calls": 0, "seconds": 0.0, "exposed_s": 0.0})
     axis["bytes"] += sum(c.bytes for c in outer_collectives(cfg, lay)) / every
-    axis["calls"] += opts.diloco_fragments / every
+    axis["calls"] += opts.fragments / every
     axis["seconds"] += sum(wire) / every
     axis["exposed_s"] += (exposed + host) / every
     axis["host_s"] = host / every
@@ -271,7 +271,7 @@ def _outer_sync_bytes(cfg: GPTConfig, lay: Layout) -> int:
     """Device bytes of the largest fragment's exchange (parallel/diloco.py): the fp32 pseudo-gradient and its fp32
     average; compressed, also the padded copy, the payloads sent, received and gathered, and the decompressed rows."""
     numel = max(fragment_elements(cfg, lay))
-    compression = lay.options.diloco_compression
+    compression = lay.options.diloco.compression
     if compression == "fp32":
         return 8 * numel
     return 16 * numel + 3 * payload_bytes(numel, compression)

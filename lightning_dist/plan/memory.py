@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.lora_config import NF4_BYTES_PER_PARAM
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.moe_memory import (
     expert_params,
@@ -150,7 +150,7 @@ def block_activation_elements(
 def estimate_memory(
     cfg: GPTConfig,
     dims: ParallelDims,
-    options: ParallelOptions,
+    options: Parallelism,
     *,
     local_params: int,
     seq_len: int,
@@ -171,8 +171,9 @@ def estimate_memory(
         margin: Allocator fragmentation margin on the total.
     """
     tp, dp_shard, pp, cp = dims.tp, dims.dp_shard, dims.pp, dims.cp
-    activation_checkpointing, ac_selective = options.activation_checkpointing, options.ac_selective
-    microbatches, schedule = options.num_microbatches(pp), options.schedule
+    ac = options.activation_checkpointing
+    activation_checkpointing, ac_selective = ac.mode, ac.selective
+    microbatches, schedule = options.pipeline.num_microbatches(pp), options.pipeline.schedule
     tokens = micro_batch * seq_len // cp  # this rank's tokens of a micro batch
     blocks = -(-cfg.n_layers // pp)
     in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
@@ -206,7 +207,7 @@ def estimate_memory(
         gathered = max((unit - f8 / tp) * 2 + f8 / tp, root * 2)
         unsharded_grad = 0 if cfg.lora.enabled else 4 * max(unit, root)
         buffers = int(2 * gathered + unsharded_grad)
-        if options.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
+        if options.fsdp.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
             buffers += int(4 * max(unit, root) / (dp_shard * cp))
     if qlora:  # one weight dequantized at a time, for its matmul (and again in the backward)
         buffers += int(4 * cfg.d_model * cfg.hidden_dim / tp)
@@ -226,7 +227,7 @@ def estimate_memory(
         logits=logits,
         buffers=buffers,
         margin=margin,
-        offloaded=options.cpu_offload,
+        offloaded=options.fsdp.cpu_offload,
     )
 
 

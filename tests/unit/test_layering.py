@@ -189,8 +189,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: frozenset[str] = frozenset(
     (
         "lightning_dist/plan/collectives.py:step_collectives",
-        "lightning_dist/parallel/compose.py:parallelize",
-        "lightning_dist/strategies/stages.py:build",
         "lightning_dist/telemetry/callback.py:_log",
         "lightning_dist/plan/cost.py:estimate",
         "lightning_dist/plan/memory.py:estimate_memory",

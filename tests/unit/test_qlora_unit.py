@@ -176,7 +176,7 @@ def test_qlora_runs_under_fsdp_replication_and_context_parallelism() -> None:
 
 def test_the_planner_holds_the_qlora_base_whole_in_4_bits(tmp_path) -> None:
     from lightning_dist.config.build import planned_model
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.memory import block_linear_params, count_local_params, estimate_memory
 
     transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -188,7 +188,7 @@ def test_the_planner_holds_the_qlora_base_whole_in_4_bits(tmp_path) -> None:
     for name, extra in {"lora": [], "qlora": ["model.lora.quantize=nf4"]}.items():
         for devices in (1, 8):
             cfg = compose_config([*recipe, *extra, f"cluster.devices={devices}"])
-            dims, options, model = build_parallel_dims(cfg), options_of(cfg), planned_model(cfg.model)
+            dims, options, model = build_parallel_dims(cfg), cfg.parallelism, planned_model(cfg.model)
             base = count_local_params(model, dp_shard=dims.dp_shard)
             estimates[name, devices] = estimate_memory(model, dims, options, local_params=base, seq_len=2048,
                                                        micro_batch=2)  # fmt: skip
