@@ -9,7 +9,7 @@ FROM ${BASE_IMAGE}
 
 # app: Hydra, W&B, the console scripts; hf: transformers, datasets, peft, huggingface_hub; eval: lm-eval;
 # float8: torchao; slurm: submitit; loggers: TensorBoard, MLflow.
-ARG EXTRAS=app,hf,eval,float8,qlora,slurm,loggers
+ARG EXTRAS=app,hf,eval,float8,qlora,ft,slurm,loggers
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

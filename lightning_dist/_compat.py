@@ -397,3 +397,27 @@ def slurm_executor_anywhere(folder: Any) -> Any:
 def sbatch_script(executor: Any) -> str:
     """The sbatch script submitit would submit (``SlurmExecutor._make_submission_file_text``, private)."""
     return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
+def training_state(trainer: Any) -> dict[str, Any]:
+    """Lightning's checkpoint without the model and optimizer tensors: the loops' progress, the callbacks' and
+    datamodule's states, the LR schedulers, the epoch and global step (``_CheckpointConnector._get_loops_state_dict``
+    and ``call._call_callbacks_state_dict`` are private). What a replaced replica group takes from a live peer to
+    resume its loop where the peer's is (:mod:`lightning_dist.strategies.replica_state`)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer import call
+
+    state = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": pl.__version__,
+        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "callbacks": call._call_callbacks_state_dict(trainer),
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "state_dict": {},
+        "optimizer_states": [],
+    }
+    datamodule = trainer.datamodule
+    if datamodule is not None:
+        state[type(datamodule).__qualname__] = datamodule.state_dict()
+    return state

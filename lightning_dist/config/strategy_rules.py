@@ -4,8 +4,13 @@ message names the strategy and the fix rather than a world-size mismatch."""
 from __future__ import annotations
 
 import importlib.util
+import socket
+from urllib.parse import urlsplit
 
 from lightning_dist.parallel.options import Parallelism
+
+#: How long the pre-launch check waits for a Lighthouse to accept a connection.
+CONNECT_TIMEOUT_S = 5.0
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
 #: every other name is our MeshStrategy, whose path follows from the degrees alone.
@@ -60,6 +65,19 @@ def check_strategy_can_do(par: Parallelism, accelerator: str = "cpu") -> None:
             f"parallelism.float8={par.float8} needs torchao; pip install 'lightning-dist[float8]', or set "
             "parallelism.float8=off."
         )
+    if par.replicas.fault_tolerant:
+        if par.strategy == "ddp":
+            raise ValueError(
+                "parallelism.replicas.recovery=torchft runs on the mesh strategies; parallelism=ddp is Lightning's "
+                "DDP: use parallelism=fsdp with parallelism.dp_replicate=N (and dp_shard inside each group)."
+            )
+        if importlib.util.find_spec("torchft") is None:  # found, not imported (start-up)
+            raise ValueError(
+                "parallelism.replicas.recovery=torchft needs torchft: pip install 'lightning-dist[ft]', or set "
+                "parallelism.replicas.recovery=restart."
+            )
+        if par.replicas.lighthouse is not None:
+            check_reachable(par.replicas.lighthouse)
     cannot = CANNOT_DO[par.strategy]
     bad = [axis for axis in cannot if getattr(par, axis) > 1]
     if bad:
@@ -70,3 +88,25 @@ def check_strategy_can_do(par: Parallelism, accelerator: str = "cpu") -> None:
         )
     if par.cp > 1:  # torch's ring attention is CUDA's: context.attention=torch is refused elsewhere
         par.context.resolve(accelerator)
+
+
+def check_reachable(address: str) -> None:
+    """A torchft Lighthouse's address (``http://host:port``) accepts a connection.
+
+    Raises:
+        ValueError: It does not, or it is no address (one line naming it and the fix).
+    """
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(
+            f"parallelism.replicas.lighthouse={address!r} is not an address; give http://<host>:<port> (the "
+            "Lighthouse's --bind), or null for the app's own."
+        )
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"parallelism.replicas.lighthouse={address} cannot be reached ({err.strerror or err}); start it "
+            "(torchft_lighthouse --min_replicas N --bind [::]:<port>) or give null for the app's own."
+        ) from None

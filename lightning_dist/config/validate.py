@@ -142,9 +142,13 @@ def _continues_its_own_run(cfg: TrainConfig) -> bool:
 
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
-    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
-    degrees = {name: getattr(cfg.parallelism, name) for name in DEGREES}
-    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes, **degrees)
+    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated. Under torchrun /
+    srun with fault-tolerant replica groups each job is one group, so the whole job is ``dp_replicate`` of them."""
+    par = cfg.parallelism
+    degrees = {name: getattr(par, name) for name in DEGREES}
+    external = environment.launcher() in ("torchrun", "slurm")
+    groups = par.dp_replicate if par.replicas.fault_tolerant and external and par.dp_replicate > 1 else 1
+    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes * groups, **degrees)
 
 
 # ------------------------------------------------------------------------------------------------ the layout

@@ -50,6 +50,8 @@ TP_STYLE_NAMES = (
     "embedding_rowwise",
     "replicated_with_grad_allreduce",
 )
+#: What the replica groups do when one is lost: restart the whole job, or train on and rejoin (torchft).
+REPLICA_RECOVERIES = ("restart", "torchft")
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 #: float8 training of the blocks' linear layers (torchao; :mod:`lightning_dist.parallel.float8`): one scale per
@@ -280,6 +282,44 @@ class DiLoCoOptions(_Options):
 
 
 @dataclass(eq=False)
+class ReplicaOptions(_Options):
+    """``parallelism.replicas``: what the ``dp_replicate`` replica groups do when one of them is lost."""
+
+    recovery: str = "restart"
+    """restart (a lost rank ends the job; resilience.max_restarts starts every rank again from the newest checkpoint)
+    or torchft (each replica group is a job of its own: the others train on without it, and a replaced group rejoins
+    by copying a healthy group's state; pip install 'lightning-dist[ft]'; docs/how-to/failures.md)."""
+    min_replicas: int = 1
+    """recovery=torchft: the fewest replica groups a step commits with; fewer for longer than quorum_timeout_s stops
+    the job."""
+    lighthouse: str | None = None
+    """recovery=torchft: the torchft Lighthouse's address (http://host:port); null = the app's launcher starts one
+    (torchrun / srun: start torchft's own, torchft_lighthouse --min_replicas N, and give its address)."""
+    group: int | None = None
+    """recovery=torchft under torchrun / srun: this job's replica group (0 .. dp_replicate - 1); the app's launcher
+    sets it for the groups it starts."""
+    quorum_timeout_s: float = 60.0
+    """recovery=torchft: how long a step waits for a quorum of min_replicas groups before the job stops."""
+    heartbeat_timeout_s: float = 5.0
+    """recovery=torchft, the Lighthouse the app starts: a group silent this long has left (the others go on)."""
+
+    def _check(self) -> None:
+        _one_of("replicas.recovery", self.recovery, REPLICA_RECOVERIES)
+        if self.min_replicas < 1:
+            raise ValueError(f"parallelism.replicas.min_replicas={self.min_replicas} must be >= 1.")
+        if self.quorum_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError(
+                f"parallelism.replicas.quorum_timeout_s={self.quorum_timeout_s} and heartbeat_timeout_s="
+                f"{self.heartbeat_timeout_s} must be > 0 (seconds)."
+            )
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether the replica groups survive one another (``recovery=torchft``)."""
+        return self.recovery == "torchft"
+
+
+@dataclass(eq=False)
 class ActivationCheckpointOptions(_Options):
     """``parallelism.activation_checkpointing.mode``: recompute activations in the backward instead of keeping them, for
     the blocks the module declares (``pipeline_spec()``), in whole models and pipeline stages alike."""
@@ -347,6 +387,8 @@ class Parallelism(_Options):
     replica trains alone and an outer step averages their progress every diloco.every steps)."""
     diloco: DiLoCoOptions = field(default_factory=DiLoCoOptions)
     """sync=diloco: the outer step's period, optimizer, fragments and compression."""
+    replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
+    """dp_replicate > 1: whether a lost replica group ends the job or the others train on (torchft)."""
     activation_checkpointing: ActivationCheckpointOptions = field(default_factory=ActivationCheckpointOptions)
     """Activation checkpointing of the blocks: none, full or selective."""
     compile: bool = False
@@ -448,10 +490,38 @@ class Parallelism(_Options):
             )
         if dims.pp_enabled:
             self.pipeline.check_microbatches(dims.pp, per_rank_batch)
+        self._check_replicas(dims)
         if self.diloco_enabled and dims.dp_replicate < 2:
             raise ValueError(
                 f"parallelism.sync=diloco averages replicas on dp_replicate but the layout is {dims.describe()}; set "
                 "parallelism.dp_replicate >= 2 or parallelism.sync=every_step."
+            )
+
+    def _check_replicas(self, dims: ParallelDims) -> None:
+        """The fault-tolerant replica axis against the degrees."""
+        replicas = self.replicas
+        if not replicas.fault_tolerant:
+            return
+        if dims.dp_replicate < 2:
+            raise ValueError(
+                f"parallelism.replicas.recovery=torchft keeps the other replica groups training when one is lost, but "
+                f"the layout has dp_replicate={dims.dp_replicate}; set parallelism.dp_replicate >= 2."
+            )
+        if replicas.min_replicas > dims.dp_replicate:
+            raise ValueError(
+                f"parallelism.replicas.min_replicas={replicas.min_replicas} exceeds the {dims.dp_replicate} replica "
+                "groups (dp_replicate): no step could ever commit; lower min_replicas or raise dp_replicate."
+            )
+        if self.diloco_enabled:
+            raise ValueError(
+                "parallelism.sync=diloco with parallelism.replicas.recovery=torchft: DiLoCo's outer step over "
+                "torchft's "
+                "replica groups is not written yet (torchft's own DiLoCo would replace ours); use one of them."
+            )
+        if replicas.group is not None and not 0 <= replicas.group < dims.dp_replicate:
+            raise ValueError(
+                f"parallelism.replicas.group={replicas.group} is not a replica group of dp_replicate="
+                f"{dims.dp_replicate}; use 0 .. {dims.dp_replicate - 1}."
             )
 
 

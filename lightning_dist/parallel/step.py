@@ -7,9 +7,12 @@
    Accumulating micro steps reduce no gradients (:func:`no_gradient_sync`). :func:`forward_backward` is this stage
    in one call, for callers without Lightning's loop.
 3. :func:`finish_gradients`: the MoE routers' load summed over the data-parallel ranks, gradients left as partial
-   sums reduced (TP), the norm over every axis, clipping.
-4. :func:`optimizer_step`: the non-finite guard's decision (on the device where the optimizer can take it), the
-   inner step, then DiLoCo's outer step.
+   sums reduced (TP), averaged over the fault-tolerant replica groups (torchft), the norm over every axis, clipping.
+4. :func:`optimizer_step`: the replica groups' commit (torchft), the non-finite guard's decision (on the device where
+   the optimizer can take it), the inner step, then DiLoCo's outer step.
+
+Under ``parallelism.replicas.recovery=torchft`` a step starts by joining the replica groups' quorum
+(:meth:`~lightning_dist.parallel.replicas.FaultTolerantReplicas.begin_step`, before stage 2).
 
 :class:`~lightning_dist.strategies.mesh.MeshStrategy` calls them from its Lightning hooks in this order
 (``training_step``: 1, 2; ``backward``: 2; ``optimizer_step``: 3, 4), ``DataParallelStrategy`` calls 3 and 4, and the
@@ -35,6 +38,7 @@ from lightning_dist.parallel.diloco import DiLoCo
 from lightning_dist.parallel.guard import NonFiniteGuard
 from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel.pipeline_stages import PipelineStages
+from lightning_dist.parallel.replicas import FaultTolerantReplicas
 from lightning_dist.parallel.tensor import reduce_partial_grads
 from lightning_dist.parallel_dims import ParallelDims
 
@@ -145,6 +149,7 @@ def finish_gradients(
     expert_load: Sequence[Tensor] = (),
     load_group: dist.ProcessGroup | None = None,
     pipeline: PipelineStages | None = None,
+    replicas: FaultTolerantReplicas | None = None,
 ) -> Tensor:
     """The step's whole gradient (every micro batch in) made ready for the optimizer; returns its norm.
 
@@ -154,6 +159,7 @@ def finish_gradients(
         expert_load: The routers' token counts to sum over ``load_group`` first (empty: nothing to sum).
         load_group: The ranks with other tokens of the step; ``None``: every rank.
         pipeline: This rank's stages: the norm sums over the pipeline ranks, a weight tied across stages counted once.
+        replicas: The fault-tolerant replica groups (torchft): the gradients averaged over those in the quorum.
 
     Returns:
         The gradient norm over every axis, the same on every rank (a device tensor: nothing is read to the host).
@@ -161,6 +167,8 @@ def finish_gradients(
     parameters = list(parameters)
     sum_expert_load(expert_load, load_group)
     reduce_partial_grads(parameters)  # once, not again in every op that reads them
+    if replicas is not None:  # after FSDP2's reduction inside the group: HSDP's replica all-reduce, through torchft
+        replicas.average_gradients(parameters)
     pp_group = pipeline.pp_group if pipeline is not None else None
     exclude = pipeline.norm_exclude if pipeline is not None else frozenset()
     return clip_grad_norm_(parameters, clip, pp_group, norm_exclude=exclude)
@@ -178,6 +186,7 @@ def optimizer_step(
     report: bool,
     on_device: bool,
     diloco: DiLoCo | None = None,
+    replicas: FaultTolerantReplicas | None = None,
 ) -> Any:
     """The inner optimizer step ``apply`` unless the guard drops it, then DiLoCo's count (and its outer step when
     one is due). A step the optimizer skips on the device (``found_inf``) still counts: knowing it would cost a host
@@ -193,10 +202,16 @@ def optimizer_step(
         report: A logging step: the guard reads its device-side record.
         on_device: The guard decides on the device (:meth:`NonFiniteGuard.decides_on_device`).
         diloco: DiLoCo's outer loop (``sync=diloco``), else ``None``.
+        replicas: The fault-tolerant replica groups: the step is applied only when they all commit it.
 
     Raises:
         NonFiniteError: ``resilience.on_nonfinite=stop`` and a non-finite step was found.
     """
+    if replicas is not None and not replicas.should_commit():
+        if getattr(optimizer, "optimizer", None) is not None:  # a LightningOptimizer
+            optimizer = optimizer.optimizer
+        optimizer.zero_grad(set_to_none=True)  # a group in the quorum failed the step: no group applies it
+        return loss
     if diloco is None:
         inner = apply
     else:

@@ -38,11 +38,13 @@ from lightning_dist.parallel.lay_out import LaidOut, lay_out
 from lightning_dist.parallel.layout import RankLayout
 from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel.pipeline_stages import PipelineStages
+from lightning_dist.parallel.replicas import FROM_PEER, FaultTolerantReplicas
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.context import ContextParallelChanges
 from lightning_dist.strategies.loaders import LoaderDealer
 from lightning_dist.strategies.metrics import DataParallelMetrics
 from lightning_dist.strategies.outer_sync import OuterSync
+from lightning_dist.strategies.replica_state import ReplicaState
 
 #: A collective that waits this long ends the job (torch's process-group timeout).
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -130,6 +132,8 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
         self._loaders = LoaderDealer()
         self._cp_changes = ContextParallelChanges()
         self._metrics: DataParallelMetrics | None = None
+        self._replicas: FaultTolerantReplicas | None = None  # parallelism.replicas.recovery=torchft, once set up
+        self._job_dims: ParallelDims | None = None  # the whole job's layout, where this process runs one replica group
         self._declared = Declared()
         self._laid_out: LaidOut | None = None
         self._layouts: list[RankLayout] = []
@@ -141,10 +145,17 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     # --------------------------------------------------------------------------------------------------- layout
     @property
     def parallel_dims(self) -> ParallelDims:
-        """The validated layout; available once the number of processes is known."""
+        """The validated layout of this process's mesh; available once the number of processes is known. Under
+        ``parallelism.replicas.recovery=torchft`` it is one replica group's (``ParallelDims.replica_group``): the
+        groups meet through torchft, not the mesh."""
         if self._parallel_dims is None:
             raise RuntimeError(f"{type(self).__name__}.parallel_dims was read before the Trainer set up processes.")
         return self._parallel_dims
+
+    @property
+    def replicas(self) -> FaultTolerantReplicas | None:
+        """The fault-tolerant replica groups this rank's group belongs to (torchft), once set up; else ``None``."""
+        return self._replicas
 
     def describe(self, all_ranks: bool = False) -> RankLayout | list[RankLayout]:
         """What this rank holds once the model is laid out (``setup`` done): its mesh coordinates, pipeline stages
@@ -183,15 +194,24 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     def before_launch(self) -> None:
         """Build and check the layout once the number of processes is known (``_compat.BeforeLaunchHook``)."""
         # The number of processes is known here, before Lightning launches any: the layout fails once, here.
-        world_size = self.num_nodes * self.num_processes
+        if self._job_dims is not None:
+            return  # checked already (launched externally: setup_environment calls this)
+        fault_tolerant = self.parallelism.replicas.fault_tolerant
+        groups = (self._parallel_dims or self.parallelism).dp_replicate if fault_tolerant else 1
+        world_size = self.num_nodes * self.num_processes * groups  # torchft: this Trainer runs one replica group
         if self._parallel_dims is None:
             self._parallel_dims = ParallelDims(world_size=world_size, **self.parallelism.degrees)
         elif self._parallel_dims.world_size != world_size:
+            one = " per replica group" if fault_tolerant else ""
             raise ValueError(
                 f"parallel_dims is laid out for world_size={self._parallel_dims.world_size} but the Trainer runs "
-                f"{world_size} processes (devices={self.num_processes} x num_nodes={self.num_nodes}); make them equal."
+                f"{world_size // groups} processes{one} (devices={self.num_processes} x num_nodes={self.num_nodes}); "
+                "make them equal."
             )
         self.parallelism.check(self._parallel_dims)
+        self._job_dims = self._parallel_dims
+        if fault_tolerant:
+            self._parallel_dims = self._job_dims.replica_group()
 
     @override
     def setup_environment(self) -> None:
@@ -200,13 +220,18 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
             self.before_launch()
         mesh = self.parallel_dims.build_mesh(self.root_device.type)
         _compat.set_device_mesh(self, self.lightning_module, mesh)
+        if self.parallelism.replicas.fault_tolerant:
+            state = ReplicaState(self)
+            self._replicas = state.start(self._job_dims, self._timeout)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks that share a data-parallel coordinate (tp / pp peers) must read the same batches.
-        dims = self.parallel_dims
-        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank(self.global_rank)}
+        # Ranks that share a data-parallel coordinate (tp / pp peers) must read the same batches; under torchft each
+        # replica group reads its share of the whole job's global batch.
+        dims, group = self.parallel_dims, self.parallelism.replicas.group or 0
+        groups = self._job_dims.dp_replicate if self._replicas is not None and self._job_dims is not None else 1
+        return {"num_replicas": dims.dp_size * groups, "rank": group * dims.dp_size + dims.dp_rank(self.global_rank)}
 
     @override
     @contextmanager
@@ -280,6 +305,8 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     # ---------------------------------------------------------------------------------- the step (parallel/step.py)
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._replicas is not None:  # the replica groups' quorum for this optimizer step (its first micro batch)
+            self._replicas.begin_step()
         return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     @override
@@ -353,6 +380,7 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
             expert_load=load,
             load_group=self.metrics.dp_group if load else None,
             pipeline=self.pipeline,
+            replicas=self._replicas,
         )
         if _compat.logs_this_step(trainer):  # Lightning's log() costs ~0.5 ms of host time
             self.lightning_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
@@ -368,6 +396,7 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
             report=trainer.log_every_n_steps > 0 and number % trainer.log_every_n_steps == 0,
             on_device=NonFiniteGuard.decides_on_device(optimizer, getattr(self.precision_plugin, "scaler", None)),
             diloco=self._outer.diloco,
+            replicas=self._replicas,
         )
 
     def pop_bubble_fraction(self) -> float | None:
@@ -383,7 +412,11 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return self.metrics.reduce(tensor, group, reduce_op, super().reduce)
+        reduced = self.metrics.reduce(tensor, group, reduce_op, super().reduce)
+        mean = str(reduce_op).lower() in ("mean", "avg", "reduceop.avg")
+        if self._replicas is not None and group is None and mean and isinstance(reduced, torch.Tensor):
+            reduced = self._replicas.mean(reduced)  # a logged value: over the replica groups in the quorum too
+        return reduced
 
     @override
     def on_train_start(self) -> None:
@@ -417,6 +450,9 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
             self._cp_changes.undo([self.lightning_module, *(pipeline.views if pipeline is not None else ())])
         if self._metrics is not None:
             self._metrics.restore()
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         super().teardown()
 
     # --------------------------------------------------------------------------------------------- checkpoints
@@ -429,6 +465,8 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         path = Path(self.broadcast(filepath))
+        if self._replicas is not None:  # the step count the replica groups agree on, to resume in step with them
+            checkpoint["torchft"] = self._replicas.manager.state_dict()
         # Lightning's sharded layout; under DiLoCo each replica's own keys and the outer state (see outer_sync.py)
         state = checkpoint_io.sharded_state(checkpoint)
         state = self._outer.replica_state(state, checkpoint, self.parallel_dims, self.global_rank)
@@ -454,6 +492,8 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
         Raises:
             ValueError: A tensor is missing, unexpected or of another shape (one line naming it).
         """
+        if checkpoint_path == FROM_PEER and self._replicas is not None:  # a replaced replica group rejoins
+            return ReplicaState(self).checkpoint_from_peer(self._replicas)
         path = Path(self.broadcast(checkpoint_path))
         strict = self.lightning_module.strict_loading
         self._single_file = not path.is_dir()
@@ -462,9 +502,13 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
             full.check_module_fits(path, full.shapes_of(checkpoint, path), self._names, strict)
             return checkpoint
         full.check_module_fits(path, full.checkpoint_shapes(path), self._names, strict)
-        return self._outer.load(
+        rest = self._outer.load(
             path, self.model, self.optimizers, strict, weights_only, self.parallel_dims, self.global_rank
         )
+        agreed = rest.pop("torchft", None)
+        if agreed is not None and self._replicas is not None:
+            self._replicas.manager.load_state_dict(agreed)
+        return rest
 
     @property
     @override

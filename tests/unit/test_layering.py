@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
 }
 #: Optional dependencies a function may import locally (each such import says why in a comment on its line or above).
 OPTIONAL = ("transformers", "huggingface_hub", "submitit", "matplotlib", "rich", "safetensors", "tokenizers",
-            "datasets", "wandb", "peft", "lm_eval", "torchao")  # fmt: skip
+            "datasets", "wandb", "peft", "lm_eval", "torchao", "torchft")  # fmt: skip
 #: Heavy modules (torch, Lightning, and ours that import them) that a module on the launcher's path imports inside the
 #: one function that needs them: ``lightning-dist-train`` checks a config and starts the ranks without them (its ranks
 #: fork from a server that has them loaded), and only the configs, restarts or ranks that use them pay for them.
