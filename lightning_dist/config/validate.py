@@ -148,6 +148,12 @@ def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
     degrees = {name: getattr(par, name) for name in DEGREES}
     external = environment.launcher() in ("torchrun", "slurm")
     groups = par.dp_replicate if par.replicas.fault_tolerant and external and par.dp_replicate > 1 else 1
+    if groups > 1 and (par.replicas.group is None or par.replicas.lighthouse is None):
+        raise ValueError(
+            f"parallelism.replicas.recovery=torchft under {environment.launcher()}: each job is one of the "
+            f"{groups} replica groups; give it parallelism.replicas.group=<0 .. {groups - 1}> and "
+            "parallelism.replicas.lighthouse=http://<host>:<port> (torchft_lighthouse --min_replicas N)."
+        )
     return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes * groups, **degrees)
 
 

@@ -515,8 +515,8 @@ class Parallelism(_Options):
         if self.diloco_enabled:
             raise ValueError(
                 "parallelism.sync=diloco with parallelism.replicas.recovery=torchft: DiLoCo's outer step over "
-                "torchft's "
-                "replica groups is not written yet (torchft's own DiLoCo would replace ours); use one of them."
+                "torchft's replica groups is not written yet (torchft's own DiLoCo would replace ours); use one of "
+                "them."
             )
         if replicas.group is not None and not 0 <= replicas.group < dims.dp_replicate:
             raise ValueError(

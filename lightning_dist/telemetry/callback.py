@@ -268,7 +268,7 @@ class Telemetry(pl.Callback):
         low, high = self._min_max(local)
         metrics = self._throughput(pl_module, local, low, high, seconds)
         metrics.update(self._comm_metrics(local, low, high, per_axis))
-        for key in [k for k in local if k.startswith(("memory/", "diloco/"))]:
+        for key in [k for k in local if k.startswith(("memory/", "diloco/", "replicas/"))]:
             metrics[key] = high[key]
         if "pipeline/bubble_fraction" in local:
             key = "pipeline/bubble_fraction"
@@ -315,6 +315,9 @@ class Telemetry(pl.Callback):
             local["pipeline/bubble_fraction"] = bubble
         if self._outer is not None:
             local.update(self._outer.metrics(self._num_steps, seconds))
+        replicas = getattr(trainer.strategy, "replicas", None)  # fault-tolerant replica groups (torchft)
+        if replicas is not None:
+            local.update(replicas.metrics())
         return local
 
     def _throughput(

@@ -57,3 +57,17 @@ def test_a_replica_group_plans_the_layout_without_its_replica_axis() -> None:
     group = valid.dims.replica_group()
     assert (valid.dims.dp_replicate, valid.dims.dp_shard, valid.dims.world_size) == (2, 2, 4)
     assert (group.dp_replicate, group.dp_shard, group.world_size) == (1, 2, 2)
+
+
+def test_under_torchrun_each_job_names_its_group_and_lighthouse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun each job is one replica group: its group and the Lighthouse come from the command line."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    overrides = [*FAST, *FT, "parallelism.dp_replicate=2", "cluster.devices=2"]
+    with pytest.raises(ValueError, match=r"^parallelism.replicas.recovery=torchft under torchrun: each job is one of"):
+        validate(compose_config(overrides))
+    monkeypatch.setattr("lightning_dist.config.strategy_rules.check_reachable", lambda address: None)
+    named = [*overrides, "parallelism.replicas.group=1", "parallelism.replicas.lighthouse=h:1"]
+    valid = validate(compose_config(named))
+    assert (valid.dims.world_size, valid.dims.replica_group().world_size) == (4, 2)  # this job is one group of two
