@@ -182,7 +182,7 @@ def test_a_streamed_hub_dataset_is_read_by_range_requests_as_its_local_files_and
     TokenDataModule(from_hub).setup()  # what a rank checks before training: nothing local to find for a hub source
 
     def windows(cfg, take: int, state: dict | None = None) -> tuple[list[list[int]], dict]:
-        dataset = build_streamed_windows(cfg, seed=0, rank=0, world_size=1, kept=1)
+        dataset = build_streamed_windows(cfg, rank=0, world_size=1, kept=1)
         if state is not None:
             dataset.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint holds it
         out = [torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(take), dataset)]
@@ -222,3 +222,52 @@ def test_a_streamed_hub_dataset_offline_reads_the_cache_or_stops_with_one_line(
         monkeypatch.delenv("HF_HUB_OFFLINE")
         resolve_data_path(compose_config([*FAST, "data=hf", "data.streaming=true", "data.path=tiny-org/nope",
                                           "data.tokenizer=/unused"]).data)  # fmt: skip
+
+
+def test_with_streams_each_rank_fetches_only_its_own_shards_of_a_hub_dataset(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """data.num_streams=4 on 4 data-parallel ranks: rank r fetches files r and r + 4 of the 8 (the bytes the stand-in
+    served, counted per file), and of the others only the first chunk of the first file, which datasets reads once to
+    learn the records' columns; with one stream every rank fetches all 8. The ranks' windows are one process's with
+    the same streams."""
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data.streaming import build_streamed_windows
+
+    texts = [f"record {i}: {'some words ' * (i % 5)}of shard {i % 8}." for i in range(96)]
+    folder = tmp_path / "served" / "sharded"
+    (folder / "data").mkdir(parents=True)
+    for shard in range(8):
+        rows = texts[shard * 12 : (shard + 1) * 12]
+        (folder / "data" / f"train-{shard}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    sizes = {
+        f"data/train-{shard}.jsonl": (folder / "data" / f"train-{shard}.jsonl").stat().st_size for shard in range(8)
+    }
+    streamed.add("tiny-org/sharded", folder, kind="dataset")
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", texts, chat_template=None)
+    overrides = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8",
+                 "model.vocab_size=300", "data.path=tiny-org/sharded"]  # fmt: skip
+
+    def read_by_ranks(num_streams: int, world: int, take: int) -> tuple[list[dict[str, int]], list[list[list[int]]]]:
+        cfg = validate(compose_config([*overrides, f"data.num_streams={num_streams}"])).cfg.data
+        read, windows = [], []
+        for rank in range(world):
+            streamed.requests.clear()
+            dataset = build_streamed_windows(cfg, rank=rank, world_size=world, kept=1)
+            windows.append([torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(take), dataset)])
+            read.append(streamed.bytes_read(".jsonl"))
+        return read, windows
+
+    read, windows = read_by_ranks(num_streams=4, world=4, take=40)  # past a pass over each rank's two files
+    head = "data/train-0.jsonl"  # datasets reads the first file's first chunk (<= 10 MB) to learn the columns
+    for rank in range(4):
+        own = {f"data/train-{rank}.jsonl", f"data/train-{rank + 4}.jsonl"}
+        assert set(read[rank]) <= own | {head}, rank  # nothing of another rank's shards
+        assert all(read[rank][name] >= sizes[name] for name in own), rank  # its own, whole
+        if head not in own:
+            assert read[rank][head] == sizes[head], rank  # the head only, once (here the whole small file)
+    _, one = read_by_ranks(num_streams=4, world=1, take=160)
+    assert [w for group in zip(*windows) for w in group] == one[0]  # rank r's windows are r, r + 4, ...
+    read, _ = read_by_ranks(num_streams=1, world=4, take=40)
+    assert all(set(r) == set(sizes) for r in read)  # one stream: every rank reads every file
