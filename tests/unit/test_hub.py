@@ -146,6 +146,7 @@ def streamed(hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", hub.url)
     monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", hub.url + "/datasets/{repo_id}/resolve/{revision}/{path}")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # datasets' downloads
     return hub
 
 
@@ -246,8 +247,8 @@ def test_with_streams_each_rank_fetches_only_its_own_shards_of_a_hub_dataset(
     }
     streamed.add("tiny-org/sharded", folder, kind="dataset")
     tokenizer = make_tiny_tokenizer(tmp_path / "tok", texts, chat_template=None)
-    overrides = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8",
-                 "model.vocab_size=300", "data.path=tiny-org/sharded"]  # fmt: skip
+    overrides = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8"]
+    overrides += ["model.vocab_size=300", "data.path=tiny-org/sharded"]
 
     def read_by_ranks(num_streams: int, world: int, take: int) -> tuple[list[dict[str, int]], list[list[list[int]]]]:
         cfg = validate(compose_config([*overrides, f"data.num_streams={num_streams}"])).cfg.data
@@ -271,3 +272,57 @@ def test_with_streams_each_rank_fetches_only_its_own_shards_of_a_hub_dataset(
     assert [w for group in zip(*windows) for w in group] == one[0]  # rank r's windows are r, r + 4, ...
     read, _ = read_by_ranks(num_streams=1, world=4, take=40)
     assert all(set(r) == set(sizes) for r in read)  # one stream: every rank reads every file
+
+
+def test_a_three_source_mixture_by_config_and_cap_fetches_only_what_it_reads_and_follows_its_weights(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """lightning-dist-prepare with weights 0.2 / 0.3 / 0.5: a hub dataset's config (its files only downloaded), the
+    same dataset's other config capped at 400 tokens (streamed: its first file fetched, the others never) and a local
+    folder. Each source is written once; data=tokens reads the blend, whose token counts are each source's share
+    within 3/4 of a window (three sources: 1 - 1/(2(3-1))) for every prefix, exactly at every 10 windows."""
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data.files import TokenDataset, blend_starts
+    from lightning_dist.run.prepare import prepare
+
+    folder = tmp_path / "served" / "mix"
+    texts = {"small": [f"small {i}: a few words." for i in range(40)]}
+    texts["big"] = [f"big {i}: {'many words ' * (i % 7)}here." for i in range(300)]
+    for config, rows in texts.items():
+        (folder / config).mkdir(parents=True)
+        for part in range(3):
+            chunk = rows[part::3]
+            (folder / config / f"part-{part}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in chunk))
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/*.jsonl\n" for c in texts)
+        + "---\n"
+    )
+    streamed.add("tiny-org/mix", folder, kind="dataset")
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"local {i}: our own text."}) + "\n" for i in range(60))
+    )
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", [*texts["small"], *texts["big"]], chat_template=None)
+    sources = ["tiny-org/mix?name=small", "tiny-org/mix?name=big&max_tokens=400", str(local)]
+    meta = prepare(sources, tmp_path / "out", str(tokenizer), weights=[0.2, 0.3, 0.5], val_fraction=0, num_proc=1)
+    read = streamed.bytes_read(".jsonl")
+    assert set(read) == {"small/part-0.jsonl", "small/part-1.jsonl", "small/part-2.jsonl", "big/part-0.jsonl"}
+    assert meta["sources"][1]["tokens"] == 400 and meta["blend"]["shares"] == [2, 3, 5]
+    dataset = TokenDataset(str(tmp_path / "out"), "train", 8, "uint16")
+    bounds = np.cumsum([0] + [s["train_tokens"] for s in meta["sources"]])
+    starts = blend_starts(tmp_path / "out", "train", 8, int(bounds[-1]))  # where each window the dataset reads starts
+    train = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    assert all(dataset[n][0].tolist() == train[s : s + 8].tolist() for n, s in enumerate(starts))
+    counts = np.zeros(3)
+    for n in range(len(dataset)):
+        start = int(starts[n])
+        counts[np.searchsorted(bounds, start, side="right") - 1] += 9  # the source whose tokens the window holds
+        share = np.array([0.2, 0.3, 0.5]) * (n + 1) * 9
+        assert np.all(np.abs(counts - share) <= 0.75 * 9), (n, counts, share)
+        if (n + 1) % 10 == 0:
+            np.testing.assert_allclose(counts, share)  # exact at every period
+    assert len(dataset) == meta["blend"]["train_tokens"] // 9 == 233

@@ -145,8 +145,8 @@ def test_with_streams_a_rank_reads_only_its_streams_and_their_states_merged_resu
     for world in (1, 4):
         rest = [_take(_dataset(data, rank, world, state=state, num_streams=4), 80 // world) for rank in range(world)]
         assert [w for group in zip(*rest) for w in group] == whole[16:]
-    with pytest.raises(ValueError, match=r"^the checkpoint's stream position is of data.num_streams=4 and this run has "
-                       r"data.num_streams=2; resume with data.num_streams=4"):  # fmt: skip
+    other = r"^the checkpoint's stream position is of data.num_streams=4 and this run has data.num_streams=2; resume"
+    with pytest.raises(ValueError, match=other):
         _dataset(data, state=state, num_streams=2)
     with pytest.raises(ValueError, match=r"^the checkpoint's stream position holds no state of stream 1"):
         _dataset(data, 0, 1, state=parts[0], num_streams=4)
