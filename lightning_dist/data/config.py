@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dist.data.sources import parse_source
-from lightning_dist.hub import HUB_STREAM, split_source
+from lightning_dist.hub import split_source
 
 KINDS = ("synthetic", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -237,18 +237,6 @@ def _validate_hf(cfg: Any) -> None:
 def sources(cfg: Any) -> list[str]:
     """``data.path`` as a list of sources (one path or hub id, or a list of them)."""
     return [cfg.path] if isinstance(cfg.path, str) else [str(p) for p in cfg.path]
-
-
-def hub_stream_id(source: str) -> tuple[str, str | None] | None:
-    """``(repo id, revision or None)`` of a source streamed from the hub (``hf://datasets/<org/name>[@<rev>]``, its
-    options aside), else None (a local file, folder or glob)."""
-    source = split_source(source)[0]
-    if not source.startswith(HUB_STREAM):
-        return None
-    repo_id, _, revision = source[len(HUB_STREAM) :].strip("/").partition("@")
-    if repo_id.count("/") != 1:
-        raise ValueError(f"data.path={source}: a hub dataset is hf://datasets/<org>/<name>[@<revision>]")
-    return repo_id, revision or None
 
 
 def _shown(value: Any) -> str:

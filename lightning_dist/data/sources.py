@@ -83,6 +83,8 @@ def parse_source(text: str, where: str = "SOURCE") -> Source:
         else:
             fields[key] = values[0]
     source = Source(text=str(text), location=location, **fields)
+    if location.startswith(HUB_STREAM) and source.hub is not None and source.hub[0].count("/") != 1:
+        raise ValueError(f"{where}={text}: a hub dataset is hf://datasets/<org>/<name>[@<revision>]")
     if source.selects and source.hub is None:
         raise ValueError(
             f"{where}={text}: name, split and data_files select a part of a hub dataset, and {location} is local; "

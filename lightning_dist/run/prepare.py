@@ -2,25 +2,39 @@
 ``val.bin`` that ``data=tokens`` reads.
 
 Each source is a file, a folder or a glob of ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` files (as ``data=hf``
-reads them), or a hub dataset id (``org/name``, downloaded into the HuggingFace cache as ``data.path`` is). Its
-documents are tokenized by datasets' ``map`` in ``--num-proc`` processes with its progress bar (the same batched
-function as ``data=hf``: each document ended by EOS), and its tokens written to ``OUT/.work/<source>.bin``.
+reads them), or a hub dataset id (``org/name``, downloaded into the HuggingFace cache as ``data.path`` is), with options
+after a ``?`` (:mod:`lightning_dist.data.sources`; quote it in a shell): ``name=<config>``, ``split=<split>``,
+``data_files=<glob>`` read only that part of a hub dataset (its files alone downloaded), ``max_tokens=<n>`` (``2e9``,
+``2B``) only its first n tokens, streamed: reading stops there, and a hub dataset is fetched by range requests only as
+far as that. Its documents are tokenized by datasets' ``map`` in ``--num-proc`` processes with its progress bar (the
+same batched function as ``data=hf``: each document ended by EOS), and its tokens written to
+``OUT/.work/<source>.bin``.
 
-**A mixture**: ``--weights 3 1`` gives each source's tokens that many times (a fraction takes the first part of its
-tokens: 0.5 = the first half), written one after the other; ``data=tokens`` shuffles its windows, so every batch draws
-from the sources in those proportions. The last ``--val-fraction`` of each source's tokens (before weighting) goes to
-``val.bin``, so validation measures each source in its own proportion and never a window trained on.
+**A mixture, by index**: each source's tokens are written to ``train.bin`` once, one after the other; ``--weights 0.2
+0.3 0.5`` is each source's share of the mixture (normalized), which ``OUT/meta.json`` records as a blend that
+``data=tokens`` reads by index (:func:`lightning_dist.data.files.blend_starts`): the mixture's windows come from the
+sources in those shares, to under one window among any first n (:class:`lightning_dist.data.blend.Blend`), a source
+with more windows than its share giving an even spread of them, one with fewer repeating each evenly. The mixture
+holds ``--train-tokens`` tokens (default: all the sources'). Without ``--weights``: the sources one after the other,
+each token once. The last ``--val-fraction`` of each source's tokens goes to ``val.bin``, so validation measures each
+source in its own proportion and never a window trained on.
+
+**Your own tokenizer**: ``--train-tokenizer VOCAB`` instead of ``--tokenizer`` first trains a byte-level BPE of VOCAB
+tokens on the sources' text (HF tokenizers, :mod:`lightning_dist.data.tokenizer_training`) into ``OUT/tokenizer``,
+then tokenizes with it: pretraining from raw text needs no other step.
 
 **Resumable**: a source's ``.bin`` is written under a temporary name and renamed when whole, so a stopped run, started
 again with the same arguments, skips the sources it finished (their names hash the source's files, sizes and
-modification times, the tokenizer and the text field); datasets keeps the tokenized Arrow files of a finished ``map``
-in ``OUT/.work/datasets``. ``OUT/meta.json`` says what was written: the tokenizer, the vocabulary, the element type
-(``data.token_dtype``: uint16 up to 65,536 tokens, else uint32) and each source's tokens.
+modification times or its hub selection and commit, the tokenizer and the text field); datasets keeps the tokenized
+Arrow files of a finished ``map`` in ``OUT/.work/datasets``. ``OUT/meta.json`` says what was written: the tokenizer,
+the vocabulary, the element type (``data.token_dtype``: uint16 up to 65,536 tokens, else uint32), each source's tokens
+and the blend.
 
 Examples::
 
     lightning-dist-prepare input.txt --tokenizer gpt2-tokenizer/ tokens/
-    lightning-dist-prepare web/*.parquet HuggingFaceFW/fineweb-edu --weights 1 3 \\
+    lightning-dist-prepare corpus/ --train-tokenizer 32000 out/
+    lightning-dist-prepare web/ 'HuggingFaceFW/fineweb-edu?name=sample-10BT&max_tokens=2B' --weights 0.3 0.7 \\
         --tokenizer meta-llama/Llama-3.1-8B out/
     lightning-dist-train cluster=gpu model=llama_1b data=tokens data.path=out/ data.token_dtype=uint32 \\
         model.vocab_size=128256

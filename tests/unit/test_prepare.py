@@ -168,3 +168,24 @@ def test_a_tokenizer_trained_on_the_corpus_tokenizes_it_and_a_model_trains_on_it
 
     result = run_app([*FAST, *overrides, "trainer.max_steps=2", "data.seq_len=16"], tmp_path / "run")
     assert len(losses(result)) == 2 and all(np.isfinite(losses(result)))
+
+
+def test_a_source_s_options_are_read_and_a_glob_s_wildcard_is_not_one(tmp_path: Path) -> None:
+    from lightning_dist.data.sources import parse_source
+
+    spec = parse_source("org/web@v2?name=sample-10BT&split=test&data_files=a/*.parquet&data_files=b/*&max_tokens=2.5B")
+    assert (spec.location, spec.name, spec.split) == ("org/web@v2", "sample-10BT", "test")
+    assert spec.data_files == ("a/*.parquet", "b/*")
+    assert spec.max_tokens == 2_500_000_000 and spec.hub == ("org/web", "v2") and spec.selects
+    assert parse_source("org/web?max_tokens=1_000").max_tokens == 1000
+    glob = parse_source(str(tmp_path / "part-??.jsonl"))  # ? of a glob: the location's own
+    assert glob.location == str(tmp_path / "part-??.jsonl") and glob.hub is None and not glob.selects
+    for bad, message in [
+        ("org/web?max_tokens=0", r"max_tokens='0' is not a positive count"),
+        ("org/web?max_tokens=1.5", r"max_tokens='1.5' is not a positive count"),
+        ("org/web?name=a&name=b", r"name is given 2 times; give it once"),
+        ("org/web?colour=red", r"unknown option 'colour'; use name, split, data_files, max_tokens"),
+        (f"{tmp_path}?split=test", r"name, split and data_files select a part of a hub dataset, and .* is local"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^SOURCE={bad[:8]}.*: {message}"):
+            parse_source(bad)

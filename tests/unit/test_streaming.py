@@ -98,8 +98,9 @@ def test_three_sources_token_shares_follow_the_weights_within_the_documented_rou
     assert counts.tolist() == [40, 60, 100]  # exact at every multiple of the period (10)
 
 
-@pytest.mark.parametrize(("streams", "stop"), [(1, 1), (1, 13), (1, 40), (2, 13), (4, 27)])
+@pytest.mark.parametrize(("streams", "stop"), [(1, 1), (1, 13), (1, 40), (2, 13), (4, 27), (3, 19)])
 def test_a_resume_continues_the_stream_exactly(setup, streams: int, stop: int) -> None:
+    """3 streams of 4 files: datasets' fallback, every stream reading all the records and keeping every third."""
     data, _ = setup
     whole = _take(_dataset(data, num_streams=streams), 120)
     dataset = _dataset(data, num_streams=streams)
