@@ -326,3 +326,48 @@ def test_a_three_source_mixture_by_config_and_cap_fetches_only_what_it_reads_and
         if (n + 1) % 10 == 0:
             np.testing.assert_allclose(counts, share)  # exact at every period
     assert len(dataset) == meta["blend"]["train_tokens"] // 9 == 233
+
+
+def test_a_hub_dataset_s_config_streams_and_its_files_and_split_prepare_reading_only_them(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """data.streaming=true with data.path=<id>?name=<config>: pinned before launch, the options kept, and each rank
+    streams that config's files only (the windows of the same files read from disk). lightning-dist-prepare with
+    ?data_files=<one file>&split=<split>: that file's tokens, no other file fetched."""
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data import corpus
+    from lightning_dist.data.streaming import build_streamed_windows
+    from lightning_dist.run.prepare import prepare
+
+    folder = tmp_path / "served" / "configs"
+    texts = {name: [f"{name} {i}: {'words ' * (i % 4)}end." for i in range(30)] for name in ("first", "second")}
+    for name, rows in texts.items():
+        (folder / name).mkdir(parents=True)
+        for part in range(2):
+            lines = "".join(json.dumps({"text": t}) + "\n" for t in rows[part::2])
+            (folder / name / f"part-{part}.jsonl").write_text(lines)
+    configs = "".join(f"- config_name: {n}\n  data_files:\n  - split: held\n    path: {n}/*.jsonl\n" for n in texts)
+    (folder / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    streamed.add("tiny-org/configs", folder, kind="dataset")
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", [*texts["first"], *texts["second"]], chat_template=None)
+    common = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8"]
+    common += ["model.vocab_size=300"]
+    hub = validate(compose_config([*common, 'data.path="tiny-org/configs?name=second&split=held"'])).cfg.data
+    assert hub.path == f"hf://datasets/tiny-org/configs@{'0123456789abcdef' * 2}01234567?name=second&split=held"
+    disk = validate(compose_config([*common, f"data.path={folder / 'second'}"])).cfg.data
+    streamed.requests.clear()
+
+    def windows(cfg) -> list[list[int]]:
+        return [torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(30), build_streamed_windows(cfg, 0, 1, 1))]
+
+    assert windows(hub) == windows(disk)
+    assert set(streamed.bytes_read(".jsonl")) == {"second/part-0.jsonl", "second/part-1.jsonl"}
+    streamed.requests.clear()
+    source = "tiny-org/configs?data_files=first/part-1.jsonl&split=train"
+    prepare([source], tmp_path / "out", str(tokenizer), val_fraction=0, num_proc=1)
+    tok = corpus.load_tokenizer(str(tokenizer))
+    expected = [t for text in texts["first"][1::2] for t in [*tok(text)["input_ids"], tok.eos_token_id]]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
+    assert set(streamed.bytes_read(".jsonl")) == {"first/part-1.jsonl"}
