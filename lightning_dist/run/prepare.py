@@ -86,7 +86,8 @@ def tokenize_source(source: str, data: Any, work: Path, dtype: Any) -> Path:
     """``OUT/.work/<key>.bin``: every document of ``source`` tokenized and ended by EOS, in file order; written
     once (an existing one is a finished earlier run's)."""
     spec = parse_source(source, "SOURCE")
-    if spec.max_tokens is not None or (spec.hub is not None and spec.selects):
+    pinned = spec.location.startswith(HUB_STREAM)  # hf://datasets/<id>@<commit>: read through datasets too
+    if spec.max_tokens is not None or (spec.hub is not None and (spec.selects or pinned)):
         return tokenize_selected(spec, data, work, dtype)
     files = _source_files(source)
     if corpus.SUFFIXES[files[0].suffix.lower()] == "text":
@@ -227,6 +228,8 @@ def prepare(
     blend = Blend(weights, "--weights") if weights else None
     if blend is not None and len(blend.shares) != len(sources):
         raise ValueError(f"--weights {list(weights)}: give one positive weight per source ({len(sources)} sources).")
+    if train_tokens is not None and blend is None:
+        raise ValueError(f"--train-tokens {train_tokens} sizes a mixture; give --weights too, or leave it out")
     if train_tokens is not None and train_tokens < 1:
         raise ValueError(f"--train-tokens {train_tokens} must be >= 1 (the mixture's tokens; leave it out for all).")
     if not 0 <= val_fraction < 1:
@@ -246,7 +249,12 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-dist-prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", nargs="+", metavar="SOURCE", help="files, a folder, a glob, or a hub dataset id")
+    parser.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="files, a folder, a glob, or a hub dataset id, with options: '<id>?name=<config>&max_tokens=2B'",
+    )
     parser.add_argument("out", metavar="OUT", help="the folder data=tokens reads (data.path=OUT)")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokenizer", help="a tokenizer (or model) folder, or a hub model id")

@@ -126,6 +126,10 @@ def test_bad_arguments_are_one_line(sources: list[str], tok: Path, tmp_path: Pat
         main([*sources, out, "--tokenizer", str(tok), "--weights", "1"])
     with pytest.raises(SystemExit, match=r"^lightning-dist-prepare: SOURCE=.*\?max_tokens=lots: max_tokens='lots' is "):
         main([sources[0], f"{sources[1]}?max_tokens=lots", out, "--tokenizer", str(tok)])
+    with pytest.raises(
+        SystemExit, match=r"^lightning-dist-prepare: --train-tokens 100 sizes a mixture; give --weights"
+    ):
+        main([*sources, out, "--tokenizer", str(tok), "--train-tokens", "100"])
     too_small = r"^lightning-dist-prepare: --train-tokenizer 200: a byte-level BPE holds the 256 bytes and <\|endof"
     with pytest.raises(SystemExit, match=too_small):
         main([*sources, out, "--train-tokenizer", "200"])
