@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -31,11 +32,9 @@ from torch.distributed.tensor import DTensor
 from lightning_dist.errors import LightningDistError
 from lightning_dist.parallel.options import ReplicaOptions
 
-#: The ``ckpt_path`` a restarted replica group starts from: its checkpoint is a healthy peer's live state, not a file.
-FROM_PEER = "torchft:peer"
 log = logging.getLogger("lightning_dist")
 #: What the Telemetry logs of the replica axis (``replicas/``), each step's values at its logging steps.
-REPLICA_KEYS = ("replicas/participants", "replicas/recoveries", "replicas/missed_steps")
+REPLICA_KEYS = ("replicas/participants", "replicas/recoveries", "replicas/missed_steps", "replicas/dropped_steps")
 
 
 class ReplicaQuorumLostError(LightningDistError, RuntimeError):
@@ -77,12 +76,16 @@ class FaultTolerantReplicas:
         load_state: Callable[[dict[str, Any]], None],
         timeout: timedelta,
     ) -> None:
+        # torchft's Rust side logs every quorum and commit at INFO (several lines per step and rank); its warnings
+        # stay. RUST_LOG set by the user wins.
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager, ProcessGroupGloo  # optional: lightning-dist[ft]
 
         self.options, self.group, self.groups = options, group, groups
         self._load_state = load_state
         self.recoveries = 0  #: times this group took a peer's state
         self.missed_steps = 0  #: steps this group was behind its peers, summed over its recoveries
+        self.dropped_steps = 0  #: steps whose update no group applied (a group in the quorum failed them)
         self.last_recovery: dict[str, Any] | None = None  #: the state of the latest recovery (``extra`` included)
         self.manager_rank = group_rank
         self._in_step = False
@@ -104,9 +107,12 @@ class FaultTolerantReplicas:
         )
 
     # --------------------------------------------------------------------------------------------- the step
-    def begin_step(self) -> None:
+    def begin_step(self, step: int | None = None) -> None:
         """Join this step's quorum (once per optimizer step); a group behind its peers takes a healthy one's state
         first.
+
+        Args:
+            step: The optimizer step about to run (Lightning's, 1-based), for the log line when the quorum changes.
 
         Raises:
             ReplicaQuorumLostError: Fewer than ``min_replicas`` groups answered within the quorum timeout.
@@ -128,14 +134,15 @@ class FaultTolerantReplicas:
             time.sleep(0.1)
             self._quorum()
         self._started = True
-        if self.manager.current_step() > before:  # recovered: the peers' step
+        if self.manager.current_step() > before:  # recovered: the peers' step (not torchft's sync of a fresh start)
+            self.recoveries += 1
             self.missed_steps += self.manager.current_step() - before
         participants = self.participants
         if participants != self._participants and self._participants is not None and self.manager_rank == 0:
             log.warning(
-                "replica group %d, step %d: %d of %d replica groups in the quorum (were %d)",
+                "replica group %d, step %s: %d of %d replica groups in the quorum (were %d)",
                 self.group,
-                self.manager.current_step() + 1,
+                step if step is not None else "-",
                 participants,
                 self.groups,
                 self._participants,
@@ -168,11 +175,22 @@ class FaultTolerantReplicas:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def should_commit(self) -> bool:
-        """Whether every group in the quorum finished the step (all of this group's ranks agree): only then is the
-        optimizer step applied."""
+    def should_commit(self, step: int) -> bool:
+        """Whether every group in the quorum finished optimizer step ``step`` (all of this group's ranks agree): only
+        then is its update applied. A step no group applies still counts (as torchtitan's and an fp16 loss scaler's
+        skipped steps do), logged and counted in ``replicas/dropped_steps``."""
         self._in_step = False
-        return bool(self.manager.should_commit())
+        if self.manager.should_commit():
+            return True
+        self.dropped_steps += 1
+        if self.manager_rank == 0:
+            log.warning(
+                "replica group %d, step %d: not committed (a replica group in the quorum failed it); its update was "
+                "dropped by every group",
+                self.group,
+                step,
+            )
+        return False
 
     def mean(self, tensor: Tensor) -> Tensor:
         """``tensor`` averaged over the groups in the quorum (a logged value: it is read anyway)."""
@@ -193,6 +211,7 @@ class FaultTolerantReplicas:
             "replicas/participants": float(self.participants),
             "replicas/recoveries": float(self.recoveries),
             "replicas/missed_steps": float(self.missed_steps),
+            "replicas/dropped_steps": float(self.dropped_steps),
         }
 
     # --------------------------------------------------------------------------------------------- recovery
@@ -206,7 +225,6 @@ class FaultTolerantReplicas:
         return self.last_recovery.get("extra") if self.recoveries > recovered and self.last_recovery else None
 
     def _take_state(self, state: dict[str, Any]) -> None:
-        self.recoveries += 1
         self.last_recovery = state
         self._load_state(state)
 

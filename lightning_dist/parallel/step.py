@@ -207,7 +207,7 @@ def optimizer_step(
     Raises:
         NonFiniteError: ``resilience.on_nonfinite=stop`` and a non-finite step was found.
     """
-    if replicas is not None and not replicas.should_commit():
+    if replicas is not None and not replicas.should_commit(step):
         if getattr(optimizer, "optimizer", None) is not None:  # a LightningOptimizer
             optimizer = optimizer.optimizer
         optimizer.zero_grad(set_to_none=True)  # a group in the quorum failed the step: no group applies it

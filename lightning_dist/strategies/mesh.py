@@ -36,9 +36,9 @@ from lightning_dist.parallel.float8 import high_precision_state
 from lightning_dist.parallel.guard import NonFiniteGuard
 from lightning_dist.parallel.lay_out import LaidOut, lay_out
 from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.parallel.options import Parallelism
+from lightning_dist.parallel.options import FROM_PEER, Parallelism
 from lightning_dist.parallel.pipeline_stages import PipelineStages
-from lightning_dist.parallel.replicas import FROM_PEER, FaultTolerantReplicas
+from lightning_dist.parallel.replicas import FaultTolerantReplicas
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.context import ContextParallelChanges
 from lightning_dist.strategies.loaders import LoaderDealer
@@ -306,7 +306,7 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._replicas is not None:  # the replica groups' quorum for this optimizer step (its first micro batch)
-            self._replicas.begin_step()
+            self._replicas.begin_step(self.lightning_module.trainer.global_step + 1)
         return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     @override

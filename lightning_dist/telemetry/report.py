@@ -230,8 +230,8 @@ def _html(data: dict[str, Any], parts: dict[str, float], figures: list[tuple[str
 
 
 def _replica_rows(history: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-    """Fault-tolerant replica groups (torchft): the fewest groups a step committed with, this group's recoveries and
-    the steps it missed; none without them."""
+    """Fault-tolerant replica groups (torchft): the fewest groups a step committed with, this group's recoveries, the
+    steps it missed and the steps dropped; none without them."""
     quorum = [r["replicas/participants"] for r in history if "replicas/participants" in r]
     if not quorum:
         return []
@@ -240,6 +240,7 @@ def _replica_rows(history: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         ("replica groups in the quorum (fewest, last)", f"{min(quorum):g}, {quorum[-1]:g}"),
         ("this group's recoveries from a peer", f"{last['replicas/recoveries']:g}"),
         ("steps this group missed", f"{last['replicas/missed_steps']:g}"),
+        ("steps no group applied (a group failed them)", f"{last.get('replicas/dropped_steps', 0):g}"),
     ]
 
 

@@ -20,6 +20,8 @@ from lightning_dist.checkpoint.store import latest_checkpoint
 
 HSDP = [*FAST, "parallelism=fsdp", "parallelism.dp_replicate=2", "parallelism.dp_shard=2", "cluster.devices=4"]
 TORCHFT = ["parallelism.replicas.recovery=torchft", "parallelism.replicas.heartbeat_timeout_s=2"]
+# A killed group leaves the quorum after 0.5 s: its restart (about 1 s here) comes after, so the survivor trains alone.
+FAST_HEARTBEAT = "parallelism.replicas.heartbeat_timeout_s=0.5"
 
 
 def test_two_replica_groups_train_as_hsdp(tmp_path: Path) -> None:
@@ -66,6 +68,7 @@ def test_a_killed_replica_group_rejoins_from_a_peer_and_ends_with_its_weights(tm
     run = [
         *HSDP,
         *TORCHFT,
+        FAST_HEARTBEAT,
         f"trainer.max_steps={steps}",
         "trainer.enable_checkpointing=true",
         "checkpoint.every_n_steps=1",
@@ -90,6 +93,8 @@ def test_a_killed_replica_group_rejoins_from_a_peer_and_ends_with_its_weights(tm
     reports = [json.loads((run_dir / f"replica-{g}" / "report.json").read_text()) for g in (0, 1)]
     survivor = [r for r in reports[0]["history"] if "replicas/participants" in r]
     assert min(r["replicas/participants"] for r in survivor) == 1.0  # group 0 trained on alone for a while
+    assert survivor[0]["replicas/recoveries"] == 0  # torchft's sync of the fresh start is no recovery
+    assert "1 of 2 replica groups in the quorum (were 2)" in stderr, stderr[-3000:]
     assert all(np.isfinite(r["train/loss"]) for r in reports[0]["history"] if "train/loss" in r)
     rejoined = [r for r in reports[1]["history"] if "replicas/recoveries" in r]
     assert rejoined[-1]["replicas/recoveries"] >= 1 and rejoined[-1]["replicas/missed_steps"] > 0
