@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lightning_dist.checkpoint.store import check_loadable, latest_checkpoint, unchecked_note
 from lightning_dist.environment import is_global_zero, launcher, restart_count, resume_folder
+from lightning_dist.parallel.options import FROM_PEER
 
 
 def find_start(
@@ -23,6 +24,8 @@ def find_start(
     """
     if ckpt_path == "last":
         resume, ckpt_path = "auto", None
+    if ckpt_path == FROM_PEER:  # a replica group rejoining (torchft): a live peer's state, no file
+        return output_dir, ckpt_path
     if resume is None and ckpt_path is None:
         ckpt_path = continue_after_external_restart(output_dir, checksums)
     if resume is not None:

@@ -20,6 +20,7 @@ from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import from_hf_names
 from lightning_dist.models.qlora import NF4_NAMES
+from lightning_dist.parallel.options import FROM_PEER
 
 
 def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
@@ -31,6 +32,8 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
         ValueError: One line naming the value and the fix.
     """
     output_dir, ckpt_path = find_start(cfg.resume, cfg.ckpt_path, cfg.output_dir, cfg.checkpoint.verify == "checksums")
+    if ckpt_path == FROM_PEER:  # a live peer's state (torchft): the same model by construction, no file to check
+        return output_dir, ckpt_path
     if ckpt_path is not None:
         label = f"ckpt_path={ckpt_path}" if cfg.ckpt_path not in (None, "last") else f"checkpoint {ckpt_path}"
         _check_ckpt_fits(cfg, Path(ckpt_path), label)

@@ -36,7 +36,7 @@ from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.hub import resolve_data_path
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
-from lightning_dist.parallel.options import Parallelism
+from lightning_dist.parallel.options import FROM_PEER, Parallelism
 from lightning_dist.parallel_dims import DEGREES, ParallelDims
 
 
@@ -81,7 +81,8 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     resolve_pretrained(cfg)  # model.pretrained -> its local folder, which the run starts from (init_from)
     resolve_data_path(cfg.data)  # data=hf data.path=<hub dataset id> -> its local snapshot
     asked = f"resume={cfg.resume}" if cfg.resume is not None else f"ckpt_path={cfg.ckpt_path}"
-    if cfg.resume is None and cfg.ckpt_path != "last" and environment.restart_count() == 0:
+    _rejoin_from_a_peer(cfg)
+    if cfg.resume is None and cfg.ckpt_path not in ("last", FROM_PEER) and environment.restart_count() == 0:
         cluster_rules.check_new_run_folder(cfg.output_dir, cfg.ckpt_path)  # a new run never writes over another's
     if _continues_or_starts_from_weights(cfg):  # else it starts fresh in output_dir: no checkpoint to read
         # deferred: reading checkpoints and weights needs torch (test_layering: DEFERRED)
@@ -139,6 +140,26 @@ def _continues_its_own_run(cfg: TrainConfig) -> bool:
     if cfg.ckpt_path is None or cfg.output_dir is None:
         return False
     return Path(cfg.ckpt_path).resolve().parent == (Path(cfg.output_dir) / "checkpoints").resolve()
+
+
+def _rejoin_from_a_peer(cfg: TrainConfig) -> None:
+    """A replica group that torchrun / srun restarted (``recovery=torchft``) rejoins from a live peer's state, not its
+    own newest checkpoint (older than the peers' step); ``ckpt_path=torchft:peer`` asks for it on any start.
+
+    Raises:
+        ValueError: ``ckpt_path=torchft:peer`` without ``recovery=torchft``, or with ``resume`` (one line).
+    """
+    replicas = cfg.parallelism.replicas
+    if cfg.ckpt_path == FROM_PEER and not replicas.fault_tolerant:
+        raise ValueError(
+            f"ckpt_path={FROM_PEER} copies a live replica group's state, which needs "
+            "parallelism.replicas.recovery=torchft; give a checkpoint path, or set the recovery."
+        )
+    if cfg.ckpt_path == FROM_PEER and cfg.resume is not None:
+        raise ValueError(f"resume={cfg.resume} and ckpt_path={FROM_PEER}: set only one of them.")
+    restarted = environment.restart_count() > 0 and environment.launcher() in ("torchrun", "slurm")
+    if replicas.fault_tolerant and restarted and cfg.resume is None and cfg.ckpt_path is None:
+        cfg.ckpt_path = FROM_PEER
 
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:

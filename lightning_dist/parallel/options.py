@@ -52,6 +52,8 @@ TP_STYLE_NAMES = (
 )
 #: What the replica groups do when one is lost: restart the whole job, or train on and rejoin (torchft).
 REPLICA_RECOVERIES = ("restart", "torchft")
+#: The ``ckpt_path`` a restarted replica group starts from (``recovery=torchft``): a live peer's state, not a file.
+FROM_PEER = "torchft:peer"
 #: FSDP2's gradient reduce-scatter / all-reduce dtype.
 REDUCE_DTYPES = ("fp32", "bf16")
 #: float8 training of the blocks' linear layers (torchao; :mod:`lightning_dist.parallel.float8`): one scale per

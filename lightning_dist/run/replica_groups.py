@@ -26,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist.config.validate import ValidRun
+from lightning_dist.parallel.options import FROM_PEER
 from lightning_dist.run.console import say
 from lightning_dist.run.launch import RankFailedError, free_port, launch
 from lightning_dist.run.result import RunResult
 
-#: The ``ckpt_path`` a replaced group starts from (:data:`lightning_dist.parallel.replicas.FROM_PEER`; the launcher
-#: does not import torch).
-FROM_PEER = "torchft:peer"
 #: Set in every rank of a replica group the app started: the group's index.
 GROUP_ENV = "LIGHTNING_DIST_REPLICA_GROUP"
 

@@ -83,6 +83,11 @@ class ReplicaState:
         """A replaced group's start: the checkpoint Lightning restores its loop from, a healthy peer's (or, when no
         peer is ahead, this group's own start)."""
         extra = replicas.recover()
-        if extra is None:
-            return _compat.training_state(self.strategy.lightning_module.trainer)
-        return extra
+        if extra is not None:
+            return extra
+        if replicas.participants < 2:  # starting over from step 0 would exit 0 with another run's curve
+            raise ValueError(
+                f"replica group {replicas.group}: no live replica group to copy the state from (every group was "
+                "lost); continue the run from its checkpoints: lightning-dist-train resume=<run folder>."
+            )
+        return _compat.training_state(self.strategy.lightning_module.trainer)  # the peers are at step 0 too

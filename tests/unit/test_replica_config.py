@@ -71,3 +71,17 @@ def test_under_torchrun_each_job_names_its_group_and_lighthouse(monkeypatch: pyt
     named = [*overrides, "parallelism.replicas.group=1", "parallelism.replicas.lighthouse=h:1"]
     valid = validate(compose_config(named))
     assert (valid.dims.world_size, valid.dims.replica_group().world_size) == (4, 2)  # this job is one group of two
+
+
+def test_a_restarted_replica_group_rejoins_from_a_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarting one replica group's job: it copies a live peer's state (the peers are ahead of its own
+    newest checkpoint); ckpt_path=torchft:peer needs the torchft recovery."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("lightning_dist.config.strategy_rules.check_reachable", lambda address: None)
+    group = ["parallelism.dp_replicate=2", "cluster.devices=2", "parallelism.replicas.group=1"]
+    valid = validate(compose_config([*FAST, *FT, *group, "parallelism.replicas.lighthouse=h:1"]))
+    assert valid.cfg.ckpt_path == "torchft:peer"
+    with pytest.raises(ValueError, match=r"^ckpt_path=torchft:peer copies a live replica group's state, which needs "):
+        validate(compose_config([*FAST, "ckpt_path=torchft:peer"]))
