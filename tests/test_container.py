@@ -62,3 +62,52 @@ def test_the_sbatch_recipes_run_in_a_venv_or_in_the_container(script: str, tmp_p
     (apptainer,) = _submit(SBATCH / script, tmp_path, APPTAINER_IMAGE="/images/lightning-dist.sif")
     exec_ = f"apptainer exec --nv --bind {job} --pwd {job} /images/lightning-dist.sif"
     assert apptainer == f"srun --kill-on-bad-exit=1 {exec_} {command}"
+
+
+def test_the_torchft_sbatch_recipe_starts_a_lighthouse_and_restarts_a_failed_group_alone(tmp_path: Path) -> None:
+    """Each replica group its own srun step against the Lighthouse on the first node; group 1's first step fails
+    (srun's stand-in exits 1 once) and only it starts again, from a live peer."""
+    bin_dir, job = tmp_path / "bin", tmp_path / "job"
+    bin_dir.mkdir()
+    (job / ".venv" / "bin").mkdir(parents=True)
+    (job / ".venv" / "bin" / "activate").write_text("")
+    failed = tmp_path / "failed-once"
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\necho "srun $*"\nif [[ "$*" == *replicas.group=1* && ! -e {failed} ]]; then\n'
+        f"  touch {failed}; exit 1\nfi\n"
+    )
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node01\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    variables = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_NNODES": "4",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[01-04]",
+        "REPLICA_GROUPS": "2",
+    }
+    done = subprocess.run(
+        ["bash", str(SBATCH / "torchft.sbatch"), "parallelism=fsdp"],
+        cwd=job,
+        env=variables,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    (lighthouse,) = [line for line in lines if "torchft_lighthouse" in line]
+    assert "--nodelist=node01" in lighthouse and "--bind [::]:29510" in lighthouse
+    groups = {r: [line for line in lines if f"parallelism.replicas.group={r} " in line] for r in (0, 1)}
+    assert len(groups[0]) == 1 and len(groups[1]) == 2  # group 1 started again, group 0 once
+    for line in [*groups[0], *groups[1]]:
+        assert "--nodes=2 " in line and "cluster.num_nodes=2 parallelism.dp_replicate=2" in line
+        assert "parallelism.replicas.lighthouse=http://node01:29510" in line and line.endswith("parallelism=fsdp")
+    assert "ckpt_path=torchft:peer" in groups[1][1] and "ckpt_path" not in groups[1][0] + groups[0][0]
+    assert "replica group 1 failed (attempt 1); it restarts alone from a live peer" in done.stderr
+
+    variables["SLURM_NNODES"] = "3"
+    odd = subprocess.run(
+        ["bash", str(SBATCH / "torchft.sbatch")], cwd=job, env=variables, capture_output=True, text=True, timeout=60
+    )
+    assert odd.returncode == 2 and odd.stderr.startswith("error: SLURM_NNODES=3 is not a multiple of REPLICA_GROUPS=2")

@@ -61,7 +61,8 @@ ASSUMPTIONS = [
     "reduce-scatters per block and micro batch, recomputed ones under activation checkpointing, pipeline sends, "
     "gradient-norm and loop scalars); equal to what the telemetry measures on CPU runs",
     f"FSDP2 all-gathers and reduce-scatters hidden under {FSDP_OVERLAP:.0%} of the compute, except one unit's; "
-    f"replica all-reduces under {DDP_OVERLAP:.0%} of the backward",
+    f"replica all-reduces under {DDP_OVERLAP:.0%} of the backward (none under parallelism.replicas.recovery=torchft: "
+    "its all-reduce over the groups runs after the backward)",
     f"TP and PP communication never hidden (our strategy does not overlap them; a layout with tp_overlap, e.g. "
     f"Megatron's, hides {TP_OVERLAP:.0%} of TP)",
     "pipeline bubble (p-1)/(v m + p-1) of the step (v = stages per rank); zero-bubble schedules (InterleavedZeroBubble,"
@@ -234,6 +235,8 @@ def _communication(
         # prefetched: hidden under compute except the first unit's
         if name in ("dp_shard", DP_SHARD_CP, EFSDP, EFSDP_CP):
             axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
+        elif name == "dp_replicate" and lay.options.replicas.fault_tolerant:  # torchft's: after the backward
+            axis["exposed_s"] = seconds
         elif name == "dp_replicate":  # under the backward
             axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
         elif name == "tp" and lay.tp_overlap:

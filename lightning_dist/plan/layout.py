@@ -200,7 +200,11 @@ class Layout:
         extra = (f" float8={self.options.float8}" if self.options.float8 != "off" else "") + (
             f" loss_chunks={self.options.loss_chunks}" if self.options.loss_chunks else ""
         )
-        return f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}{extra}"
+        groups = f" {self.dp_replicate} torchft groups" if self.options.replicas.fault_tolerant else ""
+        return (
+            f"{degrees}{pipe} m{self.microbatches} mb{self.micro_batch} ac={self.ac}{self.describe_sync()}{groups}"
+            f"{extra}"
+        )
 
     def describe_sync(self) -> str:
         """`` diloco H=50 F=1 tau=0 int8`` under DiLoCo, else ``""``."""

@@ -142,3 +142,15 @@ def test_the_report_measures_a_diloco_cycle_from_the_logged_mean_exchange(tmp_pa
     assert predicted > 0 and measured is None  # nothing exchanged yet
     logged = [*before, {"step": 20.0, "diloco/outer_steps": 2.0, "diloco/bytes_per_outer_step": predicted / 2}]
     assert predicted_and_measured(valid.cfg, valid.dims, {"history": logged})[key] == [predicted, predicted]
+
+
+def test_torchfts_replica_all_reduce_is_planned_after_the_backward() -> None:
+    """parallelism.replicas.recovery=torchft: the same bytes over the replicas, none of them hidden (torchft's
+    all-reduce runs after the backward), and the layout says it has replica groups."""
+    hsdp = estimate(LLAMA3_8B, Layout.of(2, 4, **HSDP), HW, SEQ, BATCH)
+    groups = Layout.of(2, 4, **HSDP, replicas={"recovery": "torchft"})
+    ft = estimate(LLAMA3_8B, groups, HW, SEQ, BATCH)
+    assert ft.comm["dp_replicate"]["bytes"] == hsdp.comm["dp_replicate"]["bytes"]
+    assert ft.comm["dp_replicate"]["exposed_s"] == ft.comm["dp_replicate"]["seconds"]
+    assert hsdp.comm["dp_replicate"]["exposed_s"] < hsdp.comm["dp_replicate"]["seconds"]
+    assert "4 torchft groups" in groups.describe() and "torchft" not in Layout.of(2, 4, **HSDP).describe()
