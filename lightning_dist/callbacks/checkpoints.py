@@ -16,7 +16,7 @@ from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.folder import LATEST, complete_checkpoints, merge_parts, parts_written, write_part
 from lightning_dist.checkpoint.hf_save import HF_FOLDER, save_hf
-from lightning_dist.checkpoint.store import RUN_RECORD, remove
+from lightning_dist.checkpoint.store import MANIFEST_NOTE, RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
 from lightning_dist.strategies.guard import guard_of
@@ -90,6 +90,7 @@ class RunCheckpoints(pl.Callback):
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[MANIFEST_NOTE] = True  # published with a manifest: one found without it lost it
         if self.run_record is not None:
             checkpoint[RUN_RECORD] = self.run_record
 

@@ -45,7 +45,6 @@ from lightning_dist.checkpoint.folder import (
     MANIFEST,
     complete_checkpoints,
     make_readable,
-    manifest_problem,
     pointed,
     read_manifest,
     write_manifest,
@@ -393,15 +392,6 @@ def _is_weights_file(path: Path) -> bool:
     except Exception:  # not an archive, or one holding more than tensors (a Lightning checkpoint): not an export
         return False
     return isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items())
-
-
-def export_problem(folder: Path, checksums: bool = True) -> str | None:
-    """What is wrong with the exported ``folder`` against its :data:`EXPORT_MARKER` (a file missing, truncated,
-    changed or added), or ``None``; ``None`` too for a folder that is not an export (nothing to check it against)."""
-    folder = Path(folder)
-    if not (folder / EXPORT_MARKER).is_file():
-        return None
-    return manifest_problem(folder, checksums, name=EXPORT_MARKER, unlisted=True)
 
 
 def main(argv: list[str] | None = None) -> None:

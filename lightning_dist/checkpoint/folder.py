@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"  #: in a sharded checkpoint folder: every other file'
 EXPORT_MARKER = ".lightning-dist-export.json"
 #: In a folder of tokenized data (``lightning-dist-prepare``'s ``OUT``, a ``data=hf`` cache): its files' manifest.
 DATA_MANIFEST = ".manifest.json"
+HF_FOLDER = "hf"  #: the HuggingFace weights' folder inside a checkpoint folder (``checkpoint.save_hf``)
 MANIFEST_VERSION = 2  #: 2: the files of subfolders too (1: the top-level files only)
 _PART = re.compile(r"^\.manifest-(\d+)\.json$")
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: one or more files per rank
@@ -200,6 +201,14 @@ def manifest_problem(
             if crc != written["crc32"]:
                 return f"{file} does not match the CRC-32 written with it (its bytes changed)"
     return None
+
+
+def export_problem(folder: Path, checksums: bool = True) -> str | None:
+    """What is wrong with the exported ``folder`` against its :data:`EXPORT_MARKER` (a file missing, truncated, changed
+    or added), or ``None``; ``None`` too for a folder that is not an export (nothing to check it against)."""
+    if not (Path(folder) / EXPORT_MARKER).is_file():
+        return None
+    return manifest_problem(folder, checksums, name=EXPORT_MARKER, unlisted=True)
 
 
 def _data_files(folder: Path, skip: str = MANIFEST) -> list[str]:

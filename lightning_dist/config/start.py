@@ -12,7 +12,7 @@ import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
 from lightning_dist.checkpoint.resume import find_start, note
-from lightning_dist.checkpoint.store import check_loadable, read_rest, run_record_of
+from lightning_dist.checkpoint.store import check_hf_folder, check_loadable, read_rest, run_record_of
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -93,6 +93,7 @@ def _check_init_from(cfg: TrainConfig) -> None:
     """``init_from`` names weights this model can start from: a HuggingFace folder or a whole checkpoint folder."""
     path = Path(cfg.init_from)
     if is_hf_folder(path):
+        check_hf_folder(path, cfg.checkpoint.verify == "checksums")  # an export or a checkpoint's hf/: whole
         if isinstance(cfg.model, GPTConfig):
             from_hf_names(cfg.model)  # raises for the layouts that cannot be read slice by slice
         elif not isinstance(cfg.model, HFModelConfig):

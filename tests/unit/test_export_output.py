@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dist.checkpoint.export import export_problem
 from lightning_dist.checkpoint.export import main as export_main
-from lightning_dist.checkpoint.folder import EXPORT_MARKER
+from lightning_dist.checkpoint.folder import EXPORT_MARKER, export_problem
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
