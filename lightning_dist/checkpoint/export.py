@@ -40,19 +40,12 @@ from torch import Tensor
 
 from lightning_dist import _compat
 from lightning_dist.checkpoint.adapters import MergedCheckpoint, describe, export_adapter, lora_of
-from lightning_dist.checkpoint.folder import (
-    EXPORT_MARKER,
-    MANIFEST,
-    complete_checkpoints,
-    make_readable,
-    pointed,
-    read_manifest,
-    write_manifest,
-)
+from lightning_dist.checkpoint.folder import EXPORT_MARKER, MANIFEST, complete_checkpoints, pointed
 from lightning_dist.checkpoint.model_card import model_card, push_to_hub, read_report
 from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.errors import first_line
+from lightning_dist.manifest import make_readable, read_manifest, write_manifest
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
 from lightning_dist.models.qlora import NF4_NAMES, dequantized, nf4_target

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_dist.checkpoint.adapters import hf_layer_names, lora_of
 from lightning_dist.checkpoint.export import copy_tokenizer_files
-from lightning_dist.checkpoint.folder import HF_FOLDER, make_readable
+from lightning_dist.checkpoint.folder import HF_FOLDER
 from lightning_dist.checkpoint.weights import MODULE_ATTR
+from lightning_dist.manifest import make_readable
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import hf_config, hf_tensors, same
 from lightning_dist.models.lora import adapted_layers, adapter_names, peft_adapter_name

@@ -36,10 +36,9 @@ from lightning_dist.checkpoint.folder import (
     complete_checkpoints,
     export_problem,
     has_manifest,
-    manifest_problem,
     pointed,
-    read_manifest,
 )
+from lightning_dist.manifest import manifest_problem, read_manifest
 
 _OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 _OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)

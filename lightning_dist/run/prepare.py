@@ -42,6 +42,7 @@ import numpy as np
 from lightning_dist.data import corpus
 from lightning_dist.data.config import DataConfig
 from lightning_dist.hub import hub_snapshot, looks_like_hub_id
+from lightning_dist.manifest import DATA_MANIFEST, write_manifest
 
 
 def _source_files(source: str) -> list[Path]:
@@ -140,6 +141,7 @@ def prepare(
     for name in ("train.bin", "val.bin"):
         os.replace(out / f"{name}.partial", out / name)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(out, DATA_MANIFEST, ["train.bin", "val.bin", "meta.json"])  # checked before data=tokens reads it
     return meta
 
 
