@@ -312,6 +312,19 @@ def shallow_clone(module: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------- Lightning data
+def set_epoch_batches_done(trainer: Any, done: int) -> None:
+    """Set how many loader batches of the current epoch Lightning counts as done, before its epoch loop resets after a
+    restore (``fit_loop.epoch_loop.batch_progress.current``, its ready / started / processed / completed moved
+    together, so Lightning's restart stage reads as it was saved). A resume whose batch changed counts the epoch's
+    rest in its own batches: Lightning ends the epoch when the count reaches ``len(loader)``."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = done - current.processed
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+
+
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 
