@@ -28,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist.config.cluster_rules import should_submit
-from lightning_dist.config.keys import group_options, hydra_error_line, unknown_option_line
+from lightning_dist.config.keys import group_options, hydra_error_line, search_dirs, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
@@ -69,13 +69,7 @@ def main() -> None:
         moved = moved_logger_key(key) if key.startswith("logger.") else None
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
-    searched = any(arg.startswith(("hydra.searchpath", "-cd", "--config-dir")) for arg in sys.argv[1:])
-    for arg in [] if searched else sys.argv[1:]:  # Hydra skips a recipe (an optional group) that does not exist
-        group, _, value = arg.lstrip("+").partition("=")
-        options = group_options(CONF_DIR, group) if group == "recipe" and value and "," not in value else None
-        if options is not None and value not in options and value != "null":
-            print(f"error: {unknown_option_line(group, value, options)}", file=sys.stderr, flush=True)
-            sys.exit(1)
+    _check_recipe(sys.argv[1:])
     full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -90,6 +84,23 @@ def main() -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _check_recipe(args: list[str]) -> None:
+    """Hydra runs the default job when a ``recipe`` (an optional group) is not found: the name is checked against the
+    recipes of every folder on the search path (ours, ``--config-dir``, ``hydra.searchpath``) before Hydra starts."""
+    dirs = search_dirs(args)
+    if dirs is None:  # a search path entry not found here: Hydra will say what it can
+        return
+    for arg in args:
+        group, _, value = arg.lstrip("+").partition("=")
+        if group != "recipe" or not value or value == "null" or "(" in value:  # sweep functions: Hydra's own check
+            continue
+        options = sorted({name for folder in (CONF_DIR, *dirs) for name in group_options(folder, "recipe") or []})
+        for name in value.split(","):  # a sweep over recipes: each of them
+            if name not in options:
+                print(f"error: {unknown_option_line(group, name, options)}", file=sys.stderr, flush=True)
+                sys.exit(1)
 
 
 def _help(args: list[str]) -> None:
