@@ -35,7 +35,7 @@ from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, regi
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.environment import is_global_zero
-from lightning_dist.errors import PREEMPTED_EXIT_CODE, first_line
+from lightning_dist.errors import PREEMPTED_EXIT_CODE, DivergedError, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
@@ -215,7 +215,30 @@ def run(cfg: TrainConfig) -> RunResult:
         if is_global_zero():  # one writer per job
             _write_report(valid, result)
     _print_summary(result)
+    check_trained(result, cfg.resilience.on_nonfinite)
     return result
+
+
+def check_trained(result: RunResult, on_nonfinite: str) -> None:
+    """A run whose last logged ``train/loss`` is NaN or Inf did not train a model, whatever else went right: with
+    ``resilience.on_nonfinite=skip`` the steps with a non-finite loss were dropped and the run went on to the end.
+
+    Raises:
+        DivergedError: One line: the final loss, how many logged steps were not finite, where the weights are, the fix.
+    """
+    losses = [float(record["train/loss"]) for record in result.history if record.get("train/loss") is not None]
+    if not losses or math.isfinite(losses[-1]):  # none logged (a user's module): nothing to judge
+        return
+    bad = sum(1 for loss in losses if not math.isfinite(loss))
+    dropped = (
+        f"resilience.on_nonfinite={on_nonfinite} dropped their updates and went on" if on_nonfinite == "skip" else ""
+    )
+    raise DivergedError(
+        f"train/loss is {losses[-1]} at the end (step {result.steps}): {bad} of the {len(losses)} logged steps had a "
+        f"non-finite loss{f' ({dropped})' if dropped else ''}, so the weights in "
+        f"{result.checkpoint or result.output_dir} are not a trained model's; lower optim.lr or raise "
+        "optim.warmup_steps, or set resilience.on_nonfinite=stop to end at the first such step."
+    )
 
 
 def _fit(valid: ValidRun) -> RunResult:

@@ -40,6 +40,7 @@ def _publish(dirpath: Path, steps: list[int]) -> list[Path]:
     for step in steps:
         trainer.global_step = step
         saver.save(trainer)
+        saver.on_train_batch_start(trainer, None)  # the next step boundary: published
     return [dirpath / f"step-{step:08d}" for step in steps]
 
 

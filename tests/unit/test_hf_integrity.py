@@ -55,6 +55,7 @@ def _publish(run_dir: Path, steps: list[int]) -> list[Path]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             saver.save(trainer)
+            saver.on_train_batch_start(trainer, module)  # the next step boundary: published
     return [run_dir / "checkpoints" / f"step-{step:08d}" for step in steps]
 
 

@@ -45,3 +45,25 @@ def test_dict_style_reads_for_compatibility() -> None:
 def test_a_submission_that_did_not_run_here_has_no_steps() -> None:
     submitted = RunResult(output_dir="/runs/b", layout="ddp", job_id="4242")
     assert submitted.steps is None and "steps" not in submitted and not submitted.dry_run and submitted.history == []
+
+
+def test_a_run_whose_last_loss_is_not_finite_fails_in_one_line() -> None:
+    """resilience.on_nonfinite=skip trains on past non-finite steps; ending on a NaN loss is no trained model."""
+    from lightning_dist.errors import DivergedError
+    from lightning_dist.run.train import check_trained
+
+    nan = float("nan")
+    history = [{"step": 1, "train/loss": 3.0}, {"step": 2, "train/loss": nan}, {"step": 3, "train/loss": nan}]
+    diverged = RunResult(output_dir="/runs/a", layout="-", steps=3, history=history, checkpoint="/runs/a/c/step-3")
+    with pytest.raises(DivergedError) as failed:
+        check_trained(diverged, "skip")
+    assert str(failed.value) == (
+        "train/loss is nan at the end (step 3): 2 of the 3 logged steps had a non-finite loss "
+        "(resilience.on_nonfinite=skip dropped their updates and went on), so the weights in /runs/a/c/step-3 are not "
+        "a trained model's; lower optim.lr or raise optim.warmup_steps, or set resilience.on_nonfinite=stop to end at "
+        "the first such step."
+    )
+    check_trained(_result(), "skip")  # a finite last loss
+    check_trained(RunResult(output_dir="/runs/b", layout="-", steps=3, train_loss=nan), "skip")  # none logged
+    recovered = [*history, {"step": 4, "train/loss": 2.0}]  # a skipped step in the middle, a finite end: fine
+    check_trained(RunResult(output_dir="/runs/a", layout="-", steps=4, history=recovered), "skip")
