@@ -27,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
 from lightning_dist.config.cluster_rules import should_submit
 from lightning_dist.config.keys import group_options, hydra_error_line, search_dirs, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
@@ -365,7 +366,32 @@ def _report_failure(err: Exception, out_dir: Path) -> None:
     details = getattr(err, "details", "")
     if details:
         message += f"  ({save_traceback(details, out_dir)})"
+    if isinstance(err, (OSError, RankFailedError)):  # the run started: what it leaves (a full disk, a dead rank)
+        message += left_on_disk(out_dir, said=message)
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def left_on_disk(out_dir: Path, said: str = "") -> str:
+    """What a failed run leaves that matters for going on: whether its disk is full, its newest whole checkpoint (what
+    ``resume`` continues from) and an incomplete save (never loaded; its space is taken until removed)."""
+    full = ""
+    try:
+        disk = os.statvfs(out_dir)
+        if disk.f_bavail * disk.f_frsize < 1 << 20:  # under 1 MiB: a writer's own error may not say so (torch's zip)
+            why = "" if "No space left on device" in said else "No space left on device: "
+            full = f"; its disk is full ({why}{disk.f_bavail * disk.f_frsize} bytes free)"
+    except OSError:
+        pass
+    checkpoints = out_dir / "checkpoints"
+    if not checkpoints.is_dir():
+        return full
+    published = complete_checkpoints(checkpoints)
+    newest = pointed(checkpoints) or (published[-1] if published else None)
+    left = [f"{newest} (resume={out_dir} continues from it)" if newest else "no whole checkpoint"]
+    partial = sorted(checkpoints.glob(".step-*.partial"))
+    if partial:
+        left.append(f"an incomplete save {partial[-1]} (never loaded: remove it to free its space)")
+    return f"{full}; left on disk: {', '.join(left)}"
 
 
 def save_traceback(details: str, out_dir: Path | None) -> str:
