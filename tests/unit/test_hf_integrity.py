@@ -10,7 +10,9 @@ The checkpoint is real: a tiny GPT's state written by :class:`RunCheckpoints` th
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,12 +52,16 @@ def _publish(run_dir: Path, steps: list[int]) -> list[Path]:
     trainer = SimpleNamespace(
         global_step=0, is_global_zero=True, strategy=strategy, save_checkpoint=save_checkpoint, lightning_module=module
     )
-    for step in steps:
-        trainer.global_step = step
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            saver.save(trainer)
-            saver.on_train_batch_start(trainer, module)  # the next step boundary: published
+    umask = os.umask(0o022)
+    try:
+        for step in steps:
+            trainer.global_step = step
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                saver.save(trainer)
+                saver.on_train_batch_start(trainer, module)  # the next step boundary: published
+    finally:
+        os.umask(umask)
     return [run_dir / "checkpoints" / f"step-{step:08d}" for step in steps]
 
 
@@ -78,6 +84,7 @@ def test_the_manifest_covers_the_hf_folder(run: tuple[Path, Path, Path]) -> None
     assert manifest["version"] == 2
     assert {"hf/config.json", WEIGHTS} <= set(manifest["files"])
     assert store.damage(newest) is None and store.hf_folder_problem(newest / "hf") is None
+    assert stat.S_IMODE((newest / WEIGHTS).stat().st_mode) == 0o644  # safetensors writes 0600: a server reads it
     assert resolve_hf_model(run[0]).folder == newest / "hf"
 
 
