@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_dist import _compat
 from lightning_dist.checkpoint.adapters import MergedCheckpoint, describe, export_adapter, lora_of
-from lightning_dist.checkpoint.folder import EXPORT_MARKER, MANIFEST, complete_checkpoints, pointed
+from lightning_dist.checkpoint.folder import EXPORT_MARKER, complete_checkpoints, pointed
 from lightning_dist.checkpoint.model_card import model_card, push_to_hub, read_report
 from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
@@ -370,7 +370,7 @@ def _checkpoint_or_store(path: Path) -> str | None:
     ``checkpoints`` folder, else ``None``."""
     if not path.is_dir():
         return None
-    if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
+    if (path / ".metadata").is_file() and (path / _compat.checkpoint_metadata_file()).is_file():  # DCP's + Lightning's
         return "the checkpoint"
     if path.name == "checkpoints" and (complete_checkpoints(path) or (path / "latest").is_file()):
         return "the checkpoints folder"

@@ -153,11 +153,20 @@ def test_export_never_replaces_the_run_it_exports_nor_the_folder_above_it(runs: 
     assert "holds the checkpoint this export reads" in _refused([str(ckpt_file), str(ckpt_file), "--overwrite"])
     other_ckpt = runs / "run-b" / "checkpoints" / "step-00000003"  # a Lightning checkpoint, not a weights export
     assert "is inside the checkpoints folder" in _refused([str(ckpt_file), str(other_ckpt), "--overwrite"])
+    sharded = (
+        runs / "run-b" / "checkpoints" / "step-00000006"
+    )  # a sharded checkpoint: DCP's .metadata, Lightning's file
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"index")
+    (sharded / "meta.pt").write_bytes(b"loops")
+    assert f"is inside the checkpoint {sharded}, which" in _refused([str(ckpt_file), str(sharded / "hf")])
+    shutil.rmtree(sharded)
     assert _tree(runs) == before  # nothing changed, nothing left beside
     assert sorted(p.name for p in runs.iterdir()) == ["run-a", "run-b"]
 
 
 def test_overwrite_replaces_only_a_folder_with_the_exports_marker(checkpoint: Path, runs: Path, tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("{}")  # a web project's file above OUT: no checkpoint
     mine = tmp_path / "notes"
     mine.mkdir()
     (mine / "todo.txt").write_text("keep me")
