@@ -196,10 +196,11 @@ class TokenDataModule(pl.LightningDataModule):
             sampler = StepSampler(sampler, per_rank, counts, epoch, offset)
             if self._align_progress and self.trainer is not None:  # once, on the loader built after the restore
                 self._align_progress = False
-                accumulate = per_rank // batch_size
-                _compat.set_epoch_batches_done(
-                    self.trainer, len(sampler) // batch_size - sampler.steps_left * accumulate
-                )
+                batches, accumulate = len(sampler) // batch_size, per_rank // batch_size
+                left = (
+                    sampler.steps_left * accumulate if sampler.offset else 0
+                )  # at an epoch's start: the last one done
+                _compat.set_epoch_batches_done(self.trainer, batches - left)
         elif counts is not None:
             sampler = GlobalBatchTokensSampler(sampler, counts, self.cfg.global_batch_size)
         return DataLoader(

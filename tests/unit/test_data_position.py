@@ -100,12 +100,14 @@ def test_a_resume_with_another_batch_neither_skips_nor_repeats_a_sample(before, 
     assert steps[rest:] == fresh_steps[SIZE // new_batch :]  # the next epoch: as a run with the new batch reads it
 
 
-def test_an_unchanged_resume_reads_what_the_uninterrupted_run_reads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("saved_at", [20, 64], ids=["mid-epoch", "at the epoch's end"])
+def test_an_unchanged_resume_reads_what_the_uninterrupted_run_reads(saved_at: int, tmp_path: Path) -> None:
     index = _index_of(_data(8))
-    whole, _ = _fit(_data(8), 70, None)  # across the epoch's end (64 steps)
-    _fit(_data(8), 20, None, [RunCheckpoints(tmp_path / "checkpoints", every_n_steps=20, keep_last=1)])
-    resumed, _ = _fit(_data(8), 70, tmp_path / "checkpoints" / "step-00000020")
-    assert _indices(resumed, index) == _indices(whole, index)[20:]
+    whole, uninterrupted = _fit(_data(8), 70, None)  # across the epoch's end (64 steps)
+    _fit(_data(8), saved_at, None, [RunCheckpoints(tmp_path / "checkpoints", every_n_steps=saved_at, keep_last=1)])
+    resumed, trainer = _fit(_data(8), 70, tmp_path / "checkpoints" / f"step-{saved_at:08d}")
+    assert _indices(resumed, index) == _indices(whole, index)[saved_at:]
+    assert trainer.current_epoch == uninterrupted.current_epoch  # Lightning's own count of epochs agrees
 
 
 def test_the_position_is_saved_in_samples() -> None:
