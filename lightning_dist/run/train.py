@@ -221,25 +221,43 @@ def run(cfg: TrainConfig) -> RunResult:
 
 
 def check_trained(result: RunResult, on_nonfinite: str) -> None:
-    """A run whose last logged ``train/loss`` is NaN or Inf did not train a model, whatever else went right: with
-    ``resilience.on_nonfinite=skip`` the steps with a non-finite loss were dropped and the run went on to the end.
+    """Whether a run that went to its end trained a model: not if its last logged ``train/loss`` is NaN or Inf, nor
+    if most of its logged steps had a non-finite gradient norm (``resilience.on_nonfinite=skip`` dropped their updates
+    and went on). A few dropped updates are said in one line, and the run succeeds.
 
     Raises:
-        DivergedError: One line: the final loss, how many logged steps were not finite, where the weights are, the fix.
+        DivergedError: One line: what was not finite, on how many steps, where the weights are, and the fix.
     """
-    losses = [float(record["train/loss"]) for record in result.history if record.get("train/loss") is not None]
-    if not losses or math.isfinite(losses[-1]):  # none logged (a user's module): nothing to judge
-        return
-    bad = sum(1 for loss in losses if not math.isfinite(loss))
-    dropped = (
-        f"resilience.on_nonfinite={on_nonfinite} dropped their updates and went on" if on_nonfinite == "skip" else ""
+    losses = [float(r["train/loss"]) for r in result.history if r.get("train/loss") is not None]
+    norms = [
+        (int(r.get("step", 0)), float(r["train/grad_norm"]))
+        for r in result.history
+        if r.get("train/grad_norm") is not None
+    ]
+    dropped = [step for step, norm in norms if not math.isfinite(norm)]
+    bad_losses = sum(1 for loss in losses if not math.isfinite(loss))
+    fix = (
+        "lower optim.lr or raise optim.warmup_steps, or set resilience.on_nonfinite=stop to end at the first such step."
     )
-    raise DivergedError(
-        f"train/loss is {losses[-1]} at the end (step {result.steps}): {bad} of the {len(losses)} logged steps had a "
-        f"non-finite loss{f' ({dropped})' if dropped else ''}, so the weights in "
-        f"{result.checkpoint or result.output_dir} are not a trained model's; lower optim.lr or raise "
-        "optim.warmup_steps, or set resilience.on_nonfinite=stop to end at the first such step."
-    )
+    where = result.checkpoint or result.output_dir
+    if losses and not math.isfinite(losses[-1]):
+        raise DivergedError(
+            f"train/loss is {losses[-1]} at the end (step {result.steps}): {bad_losses} of the {len(losses)} logged "
+            f"steps had a non-finite loss, {len(dropped)} a non-finite gradient norm (resilience.on_nonfinite="
+            f"{on_nonfinite}: their updates dropped), so the weights in {where} are not a trained model's; {fix}"
+        )
+    if dropped and 2 * len(dropped) > len(norms):
+        raise DivergedError(
+            f"resilience.on_nonfinite={on_nonfinite} dropped the updates of {len(dropped)} of the {len(norms)} logged "
+            f"steps (a non-finite gradient norm; the last at step {dropped[-1]}), so the run did not train (train/loss "
+            f"{losses[-1] if losses else '-'} at the end) and the weights in {where} are not a trained model's; {fix}"
+        )
+    if dropped:
+        say(
+            f"note: resilience.on_nonfinite={on_nonfinite} dropped the updates of {len(dropped)} of the {len(norms)} "
+            f"logged steps (a non-finite gradient norm; the last at step {dropped[-1]})",
+            err=True,
+        )
 
 
 def _fit(valid: ValidRun) -> RunResult:
@@ -366,8 +384,8 @@ def _report_failure(err: Exception, out_dir: Path) -> None:
     details = getattr(err, "details", "")
     if details:
         message += f"  ({save_traceback(details, out_dir)})"
-    if isinstance(err, (OSError, RankFailedError)):  # the run started: what it leaves (a full disk, a dead rank)
-        message += left_on_disk(out_dir, said=message)
+    if isinstance(err, OSError) or (isinstance(err, RankFailedError) and not err.will_repeat):
+        message += left_on_disk(out_dir, said=message)  # a full disk, a dead rank: what the run leaves to go on from
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 

@@ -123,7 +123,9 @@ def test_a_resumed_runs_error_is_logged_in_its_own_folder_and_nothing_strays(
         main()
     assert exited.value.code == 1
     line = capfd.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: rank 0: ") and line.endswith(f"(traceback: {finished / 'error.log'})"), line
+    assert line.startswith("error: rank 0: ") and f"(traceback: {finished / 'error.log'})" in line, line
+    newest = finished / "checkpoints" / "step-00000002"
+    assert line.endswith(f"; left on disk: {newest} (resume={finished} continues from it)"), line  # what to go on from
     assert "nowhere" in (finished / "error.log").read_text()
     assert list(tmp_path.iterdir()) == []
     assert (finished / ".hydra" / "config.yaml").is_file()  # Hydra's record of this start, in the run's folder
