@@ -311,6 +311,32 @@ def shallow_clone(module: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------- Lightning data
+def root_cause(err: BaseException) -> BaseException:
+    """The exception a rank's ``err`` stands for: DCP's ``CheckpointException`` (a ``BaseException``) wraps each rank's
+    own (``failures``: rank -> (exception, traceback)), whose message names only the ranks: an ``OSError`` (a full
+    disk, a quota: what the others' failures follow from) first, else the lowest rank's; any other exception is
+    itself."""
+    failures = getattr(err, "failures", None)
+    if type(err).__name__ != "CheckpointException" or not isinstance(failures, dict):
+        return err
+    causes = [(rank, w[0]) for rank, w in failures.items() if isinstance(w, tuple) and isinstance(w[0], BaseException)]
+    causes.sort(key=lambda item: (not isinstance(item[1], OSError), item[0]))
+    return causes[0][1] if causes else err
+
+
+def set_epoch_batches_done(trainer: Any, done: int) -> None:
+    """Set how many loader batches of the current epoch Lightning counts as done, before its epoch loop resets after a
+    restore (``fit_loop.epoch_loop.batch_progress.current``, its ready / started / processed / completed moved
+    together, so Lightning's restart stage reads as it was saved). A resume whose batch changed counts the epoch's
+    rest in its own batches: Lightning ends the epoch when the count reaches ``len(loader)``."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = done - current.processed
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+
+
 def take_over_distributed_sampler(trainer: Any) -> bool:
     """Turn off Lightning's sampler injection for ``trainer``; return whether it was on (``use_distributed_sampler``).
 

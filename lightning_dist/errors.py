@@ -39,6 +39,16 @@ class NonFiniteError(LightningDistError, RuntimeError):
     restart_would_repeat = True
 
 
+class DivergedError(LightningDistError, ValueError):
+    """A run ended with a non-finite ``train/loss`` (``resilience.on_nonfinite=skip`` dropped the updates of its
+    non-finite steps and trained on): its weights are not a trained model's, so the job does not end as a success.
+
+    Restarting repeats it: the same data and seed lead back to the same steps.
+    """
+
+    restart_would_repeat = True
+
+
 def restart_would_repeat(exc_type: type[BaseException]) -> bool:
     """Whether a rank that failed with an exception of class ``exc_type`` would fail the same way after a restart.
 

@@ -88,6 +88,43 @@ def test_recipes_compose(recipe: str) -> None:
     getattr(cfg.model, "validate", lambda: None)()  # the built-in GPT's shape rules (model=hf: its config's own)
 
 
+def _my_recipe(folder: Path) -> Path:
+    """A user's recipe folder: ``recipe/mine.yaml`` with a seed of its own."""
+    (folder / "recipe").mkdir(parents=True)
+    (folder / "recipe" / "mine.yaml").write_text("# @package _global_\nseed: 7\ntrainer:\n  max_steps: 3\n")
+    return folder
+
+
+def test_a_recipes_seed_wins_over_the_defaults(tmp_path: Path) -> None:
+    """The probe: train.yaml's own ``seed: 1234`` came after the recipe in the defaults list and won, while the
+    recipe's other keys applied."""
+    folder = _my_recipe(tmp_path / "conf")
+    cfg = compose_config([f"hydra.searchpath=[file://{folder}]", "recipe=mine"])
+    assert (cfg.seed, cfg.trainer.max_steps) == (7, 3)
+    assert compose_config([f"hydra.searchpath=[file://{folder}]", "recipe=mine", "seed=9"]).seed == 9  # the CLI last
+    assert compose_config([]).seed == 1234
+
+
+@pytest.mark.parametrize("given", ["--config-dir", "-cd", "hydra.searchpath"])
+def test_a_mistyped_recipe_is_refused_with_a_search_path_too(
+    given: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The probe: ``--config-dir`` skipped the name check, and a mistyped recipe ran the default job with exit 0."""
+    from lightning_dist.run import train
+
+    folder = _my_recipe(tmp_path / "conf")
+    where = [f"hydra.searchpath=[file://{folder}]"] if given == "hydra.searchpath" else [given, str(folder)]
+    monkeypatch.setattr("sys.argv", ["lightning-dist-train", *where, "recipe=mien"])
+    with pytest.raises(SystemExit) as exited:
+        train.main()
+    assert exited.value.code == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: recipe=mien is not an option of recipe: use one of ") and "\n" not in line
+    assert line.endswith("; did you mean recipe=mine?") and "tiny_ddp_cpu" in line  # every folder's recipes
+    train._check_recipe([*where, "recipe=mine"])  # found in the user's folder: Hydra runs it
+    train._check_recipe([*where, "recipe=mine,tiny_ddp_cpu"])  # a sweep over recipes: each one found
+
+
 @pytest.mark.parametrize("model", sorted(PUBLISHED_PARAMS))
 def test_big_models_instantiate_on_meta_with_published_sizes(model: str) -> None:
     cfg = compose_config([f"model={model}"])

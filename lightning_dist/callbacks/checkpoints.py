@@ -16,7 +16,7 @@ from lightning_dist import _compat
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.folder import LATEST, complete_checkpoints, merge_parts, parts_written, write_part
 from lightning_dist.checkpoint.hf_save import HF_FOLDER, save_hf
-from lightning_dist.checkpoint.store import RUN_RECORD, remove
+from lightning_dist.checkpoint.store import MANIFEST_NOTE, RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
 from lightning_dist.parallel.guard import guard_of
@@ -42,6 +42,12 @@ class RunCheckpoints(pl.Callback):
     ``.partial`` folder and the previous checkpoint still named as latest; older checkpoints are pruned only after a
     newer one is published. Saves happen after an optimizer step: every ``every_n_steps``, once ``every_n_minutes``
     have passed since the last one (rank 0's clock decides for all), and at the end of training.
+
+    **Metrics before the checkpoint**: Lightning logs a step's metrics after this callback's ``on_train_batch_end``,
+    and its loggers keep rows in memory (the CSV logger writes every 100 steps). So a checkpoint is published at the
+    next step boundary (the next batch's start, a validation's start, the end of training), once the rows of every
+    step it holds are logged, and rank 0 flushes the loggers (``logger.save()``) just before: a run killed right after
+    a save never continues from a checkpoint whose steps' rows are not on disk.
 
     With a strategy that saves asynchronously (``MeshStrategy(async_save=True)``) the step waits only for the copy
     to host memory; rank 0 publishes the checkpoint at the first step boundary after its write completed, and every
@@ -90,10 +96,29 @@ class RunCheckpoints(pl.Callback):
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[MANIFEST_NOTE] = True  # published with a manifest: one found without it lost it
         if self.run_record is not None:
             checkpoint[RUN_RECORD] = self.run_record
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._renew_wandb_step(trainer)
+        self._publish_written(trainer)  # the saved step's rows are logged now
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._publish_written(trainer)  # a validation after the save may be long, or fail: published before it
+
+    def _publish_written(self, trainer: pl.Trainer) -> None:
+        """Rank 0: publish the save in flight if its files are written on every rank."""
+        pending = self._pending
+        if (
+            pending is not None
+            and pending[0] is not _DONE
+            and trainer.is_global_zero
+            and self._async_save_written(trainer)
+        ):
+            self._publish(trainer)
+
+    def _renew_wandb_step(self, trainer: pl.Trainer) -> None:
         if self._wandb_late is None:
             return
         name, self._wandb_late = self._wandb_late, None
@@ -162,10 +187,8 @@ class RunCheckpoints(pl.Callback):
         else:
             trainer.strategy.barrier()  # every rank's files are written, and its part of the manifest
             self.written_s.append(time.monotonic() - started)
-            if trainer.is_global_zero:
-                self._publish_folder(partial, final, wandb_step)
-            trainer.strategy.barrier()
-            self.last_path = final
+            # Published at the next step boundary, once this step's metrics are logged (the class docstring).
+            self._pending, self._pending_wandb = (_WRITTEN, partial, final), wandb_step
         self._last_step, self._last_time = step, time.monotonic()
         self.blocked_s.append(self._last_time - started)
         return final
@@ -199,6 +222,9 @@ class RunCheckpoints(pl.Callback):
     def _publish(self, trainer: pl.Trainer) -> None:
         future, partial, final = self._pending
         future.result()
+        if partial.exists():  # not yet published: the rows of the steps it holds go to disk first
+            for logger in getattr(trainer, "loggers", []):
+                logger.save()
         self._publish_folder(partial, final, self._pending_wandb)
         self._pending = (_DONE, partial, final)  # the other ranks still wait for their own writes in wait()
 
@@ -298,4 +324,5 @@ class _Done:
         return None
 
 
-_DONE = _Done()
+_DONE = _Done()  # a save published (the other ranks may still wait for their own writes)
+_WRITTEN = _Done()  # a synchronous save written on every rank, to publish at the next step boundary

@@ -9,7 +9,9 @@ own names, or tasks of your own from YAML files in ``include_path`` (a local ``d
 
 :class:`EvalCallback` does it during training: after each checkpoint a ``RunCheckpoints(save_hf=True)`` published at a
 step that is a multiple of ``every_n_steps``, rank 0 evaluates that checkpoint's ``hf/`` folder (the other ranks wait
-at a barrier) and logs the metrics at that step to the trainer's loggers.
+at a barrier) and logs the metrics at that step to the trainer's loggers. A checkpoint is published at the step
+boundary after its save (once that step's metrics are logged), so it is evaluated there: at the next batch's start, or
+at the end of training.
 
 Needs lm-eval (``lightning-dist[eval]``).
 """
@@ -131,11 +133,15 @@ class EvalCallback(pl.Callback):
         }
         self.history: list[dict[str, float]] = []  #: each evaluation's metrics with its ``step``
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or (self.history and self.history[-1]["step"] == step):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_step = trainer.global_step  # a resumed run's checkpoint was evaluated by the run that saved it
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step  # the step just done: its checkpoint is published at this boundary
+        if step == getattr(self, "_start_step", 0) or step % self.every_n_steps:
             return
-        self._evaluate(trainer, step)
+        if not (self.history and self.history[-1]["step"] == step):
+            self._evaluate(trainer, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step  # the final checkpoint (saved at the end of training): evaluated if due

@@ -11,6 +11,13 @@ Examples::
     lightning-dist-export outputs/.../checkpoints/step-00000300 hf/     # HuggingFace folder (config.json, safetensors)
     lightning-dist-export outputs/<a LoRA run> adapter/                 # a peft adapter folder (model.lora)
     lightning-dist-export outputs/<a LoRA run> merged/ --merge          # the adapters merged into the weights
+
+**OUT is the export's own.** The export writes nothing but OUT (through a temporary name beside it), and never
+into a checkpoint, a run's ``checkpoints/`` folder, or a folder that holds the checkpoint it reads. An exported
+folder carries :data:`~lightning_dist.checkpoint.folder.EXPORT_MARKER`: its files' sizes and CRC-32s (what the
+project checks before it reads the folder back: ``lightning-dist-eval``, ``-generate``, ``init_from``) and the mark
+that ``--overwrite`` looks for: it replaces an earlier export only, never a run folder, its parent or a checkpoint.
+A single file is replaced only when it is an earlier single-file export (a ``{name: tensor}`` archive).
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from torch import Tensor
 
 from lightning_dist import _compat
 from lightning_dist.checkpoint.adapters import MergedCheckpoint, describe, export_adapter, lora_of
-from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
+from lightning_dist.checkpoint.folder import EXPORT_MARKER, complete_checkpoints, pointed
 from lightning_dist.checkpoint.model_card import model_card, push_to_hub, read_report
 from lightning_dist.checkpoint.store import check_loadable, unchecked_note
 from lightning_dist.checkpoint.weights import MODULE_ATTR
 from lightning_dist.errors import first_line
+from lightning_dist.manifest import make_readable, read_manifest, write_manifest
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import Converted, hf_config, hf_tensors, same
 from lightning_dist.models.qlora import NF4_NAMES, dequantized, nf4_target
@@ -268,6 +276,8 @@ def staged(out: Path, folder: bool, overwrite: bool = False) -> Iterator[Path]:
     if out.exists() and not overwrite and (not folder or any(out.iterdir())):
         what = "files (an earlier export?)" if folder else "a file"
         raise ValueError(f"{out} already holds {what}; give a new {kind}, or pass --overwrite to replace it.")
+    if out.exists() and overwrite and (not folder or any(out.iterdir())):
+        check_replaceable(out, folder)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if folder:
@@ -284,6 +294,7 @@ def staged(out: Path, folder: bool, overwrite: bool = False) -> Iterator[Path]:
         raise ValueError(f"{out} cannot be written ({reason}); give an OUT in a folder you can write.") from None
     try:
         yield tmp
+        make_readable(tmp)  # safetensors writes its files 0600
         if folder and out.exists():  # the old one goes only once the new one is whole
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -294,6 +305,86 @@ def staged(out: Path, folder: bool, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         raise
+
+
+#: What a run folder holds (names kept here: the run layer is above this one): an export never replaces a folder with
+#: one of them, nor writes into a checkpoint or a run's checkpoints folder.
+_RUN_FOLDER_NAMES = ("checkpoints", ".hydra", ".run.lock", "report.json", "train.log", "csv", "wandb")
+
+
+def check_out(out: Path, source: Path, folder: bool, overwrite: bool) -> None:
+    """Refuse an OUT that is not the export's own to write (before anything is read or written): the checkpoint
+    ``source`` or a folder holding it, a place inside a checkpoint or a run's ``checkpoints`` folder, and (with
+    ``overwrite``) anything but an earlier export (:func:`check_replaceable`).
+
+    Raises:
+        ValueError: One line naming OUT, what it holds and the fix.
+    """
+    out, source = Path(out).absolute(), Path(source).absolute()
+    resolved, read = out.resolve(), source.resolve()
+    if resolved == read or resolved in read.parents:
+        raise ValueError(
+            f"{out} holds the checkpoint this export reads ({source}): writing there would replace it; give OUT "
+            "outside it (a new folder)."
+        )
+    for place in [resolved, *resolved.parents]:
+        inside = _checkpoint_or_store(place)
+        if inside is not None:
+            raise ValueError(
+                f"{out} is inside {inside} {place}, which an export must not change; give OUT outside it (a new "
+                "folder)."
+            )
+    if out.exists() and overwrite and (not folder or (out.is_dir() and any(out.iterdir()))):
+        check_replaceable(out, folder)
+
+
+def check_replaceable(out: Path, folder: bool) -> None:
+    """``--overwrite`` replaces an earlier export only: a folder holding :data:`EXPORT_MARKER` (and nothing of a run),
+    or a single file that is a ``{name: tensor}`` archive (what a single-file export writes).
+
+    Raises:
+        ValueError: ``out`` is anything else (one line: what it is, and the fix).
+    """
+    if folder and out.is_dir():
+        held = [name for name in _RUN_FOLDER_NAMES if (out / name).exists()]
+        if held or _checkpoint_or_store(out) is not None:
+            what = f"a run's {held[0]}" if held else "a checkpoint"
+            raise ValueError(
+                f"{out} holds {what}, not an earlier export: --overwrite replaces only a folder lightning-dist-export "
+                f"wrote (it holds {EXPORT_MARKER}); give a new folder for OUT."
+            )
+        if read_manifest(out, EXPORT_MARKER) is None:
+            raise ValueError(
+                f"{out} holds files that are not an earlier export (no {EXPORT_MARKER}): --overwrite replaces only a "
+                "folder lightning-dist-export wrote; give a new folder for OUT, or empty this one yourself."
+            )
+    elif not folder and out.is_file() and not _is_weights_file(out):
+        raise ValueError(
+            f"{out} is not an earlier single-file export (a {{name: tensor}} archive): --overwrite replaces only "
+            "those; give a new file for OUT."
+        )
+
+
+def _checkpoint_or_store(path: Path) -> str | None:
+    """``"the checkpoint"`` when ``path`` is a sharded checkpoint folder, ``"the checkpoints folder"`` for a run's
+    ``checkpoints`` folder, else ``None``."""
+    if not path.is_dir():
+        return None
+    if (path / ".metadata").is_file() and (path / _compat.checkpoint_metadata_file()).is_file():  # DCP's + Lightning's
+        return "the checkpoint"
+    if path.name == "checkpoints" and (complete_checkpoints(path) or (path / "latest").is_file()):
+        return "the checkpoints folder"
+    return None
+
+
+def _is_weights_file(path: Path) -> bool:
+    """Whether the file ``path`` is what a single-file export writes: a ``torch.save`` of ``{name: tensor}`` only
+    (``mmap``: the tensors' bytes are not read)."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not an archive, or one holding more than tensors (a Lightning checkpoint): not an export
+        return False
+    return isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,7 +403,11 @@ def main(argv: list[str] | None = None) -> None:
         default="checksums",
         help="check the checkpoint's files against its manifest by size and CRC-32 (default), or by size only",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace what OUT holds (once the export is whole)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export at OUT (once the new one is whole); never a run folder or a checkpoint",
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -324,39 +419,57 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     args = parser.parse_args(argv)
     fmt = args.format or ("torch" if args.out.suffix in (".pt", ".pth") else "hf")
-    dtype = DTYPES[args.dtype] if args.dtype else None
     try:
         if args.push_to_hub and fmt != "hf":
             raise ValueError(f"--push-to-hub uploads a folder; give a folder for OUT, not {args.out}.")
+        check_out(args.out, args.ckpt, folder=fmt == "hf", overwrite=args.overwrite)
         with staged(args.out, folder=fmt == "hf", overwrite=args.overwrite) as tmp:
-            ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
-            if ckpt.unchecked:
-                print(f"warning: {ckpt.unchecked}", file=sys.stderr, flush=True)
-            lora = lora_of(ckpt.hyper_parameters)
-            if args.merge and lora is None:
-                raise ValueError(f"--merge: {ckpt.path} holds no LoRA adapters (model.lora.rank=0); leave --merge out.")
-            if lora is not None and args.merge:
-                ckpt = MergedCheckpoint(ckpt, lora)
-            if fmt == "torch":
-                export_torch(ckpt, tmp, dtype)
-            elif lora is not None and not args.merge:
-                export_adapter(ckpt, lora, tmp, dtype)
-                if ckpt.hyper_parameters.get("hf_source"):  # the tokenizer goes with the adapter, as on the hub
-                    copy_tokenizer_files(Path(ckpt.hyper_parameters["hf_source"]), tmp)
-                fmt = describe(tmp)
-            else:
-                export_hf(ckpt, tmp, dtype, _size(args.max_shard_size))
-            if args.push_to_hub:  # the card: base model, layout, tokens seen, loss curve (the run's report.json)
-                step = int(ckpt.path.name.rpartition("-")[2]) if ckpt.path.name.startswith("step-") else None
-                card = model_card(args.push_to_hub, ckpt.hyper_parameters, read_report(ckpt.path), step)
-                (tmp / "README.md").write_text(card)
-        if args.push_to_hub:
-            print(f"pushed {args.out} -> {push_to_hub(args.out, args.push_to_hub, args.private)}")
+            ckpt, fmt = _export(args, fmt, tmp)
     except ValueError as err:
         sys.exit(f"lightning-dist-export: {err}")
     except Exception as err:  # a write that fails (a full disk, a quota): one line, and nothing left at OUT
         sys.exit(f"lightning-dist-export: writing {args.out} failed ({first_line(err)}); nothing was left there.")
     print(f"exported {ckpt.path} -> {args.out} ({fmt})")
+    if args.push_to_hub:
+        try:
+            print(f"pushed {args.out} -> {push_to_hub(args.out, args.push_to_hub, args.private, EXPORT_MARKER)}")
+        except ValueError as err:  # no network, a token without write access: the export is whole where it is
+            files = sorted(p.name for p in args.out.iterdir() if p.name != EXPORT_MARKER)
+            sys.exit(
+                f"lightning-dist-export: {err}; the export is whole at {args.out} ({len(files)} files: "
+                f"{', '.join(files)}): upload it with: hf upload {args.push_to_hub} {args.out} --exclude "
+                f"{EXPORT_MARKER}"
+            )
+
+
+def _export(args: argparse.Namespace, fmt: str, tmp: Path) -> tuple[Any, str]:
+    """Write the export of ``args.ckpt`` into ``tmp`` (renamed into place by the caller), with its marker; returns
+    the checkpoint read and the format written, in words."""
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    ckpt = Checkpoint(args.ckpt, checksums=args.verify == "checksums")
+    if ckpt.unchecked:
+        print(f"warning: {ckpt.unchecked}", file=sys.stderr, flush=True)
+    lora = lora_of(ckpt.hyper_parameters)
+    if args.merge and lora is None:
+        raise ValueError(f"--merge: {ckpt.path} holds no LoRA adapters (model.lora.rank=0); leave --merge out.")
+    if lora is not None and args.merge:
+        ckpt = MergedCheckpoint(ckpt, lora)
+    if fmt == "torch":
+        export_torch(ckpt, tmp, dtype)
+        return ckpt, fmt
+    if lora is not None and not args.merge:
+        export_adapter(ckpt, lora, tmp, dtype)
+        if ckpt.hyper_parameters.get("hf_source"):  # the tokenizer goes with the adapter, as on the hub
+            copy_tokenizer_files(Path(ckpt.hyper_parameters["hf_source"]), tmp)
+        fmt = describe(tmp)
+    else:
+        export_hf(ckpt, tmp, dtype, _size(args.max_shard_size))
+    if args.push_to_hub:  # the card: base model, layout, tokens seen, loss curve (the run's report.json)
+        step = int(ckpt.path.name.rpartition("-")[2]) if ckpt.path.name.startswith("step-") else None
+        card = model_card(args.push_to_hub, ckpt.hyper_parameters, read_report(ckpt.path), step)
+        (tmp / "README.md").write_text(card)
+    write_manifest(tmp, EXPORT_MARKER, kind="lightning-dist-export", source=str(ckpt.path.absolute()), format=fmt)
+    return ckpt, fmt
 
 
 if __name__ == "__main__":

@@ -1,32 +1,38 @@
 """A run's checkpoint folder as files: the published checkpoints, the ``latest`` pointer, and each checkpoint's
-manifest (every file's size and CRC-32), written when it is published and checked before it is loaded or exported.
+manifest (every file's size and CRC-32: :mod:`lightning_dist.manifest`), written when it is published and checked
+before it is loaded or exported.
 
 No torch here: the launcher finds a run's checkpoints and checks a manifest without it (``tests/unit/test_layering.py``,
 ``test_startup_imports.py``).
 
 **The manifest** (``manifest.json`` in a sharded checkpoint folder) names every file of the folder with its size and
-the CRC-32 of its bytes. Each rank writes a part for the files it wrote itself (``.manifest-<rank>.json``: DCP names
-them ``__<rank>_<n>.distcp``; rank 0 also takes ``.metadata``, Lightning's file and anything else) right after its
-write, in the background writer for asynchronous saves, so ranks hash in parallel and never in a training step. Rank 0
-merges the parts into ``manifest.json`` (hashing any file no part named) just before it publishes the folder. CRC-32
-(``zlib.crc32``, the checksum a zip archive keeps per member) reads about 3 GB/s from the page cache here, ~2x
-sha256 and ~4x blake2b (docs/failures.md): it finds any accidental change of a file's bytes, not a forgery.
+the CRC-32 of its bytes, those in its subfolders too (``hf/model.safetensors``: ``checkpoint.save_hf``; version 2; a
+version 1 manifest, written before, lists the top-level files only). Each rank writes a part for the files it wrote
+itself (``.manifest-<rank>.json``: DCP names them ``__<rank>_<n>.distcp``; rank 0 also takes ``.metadata``,
+Lightning's file and anything else) right after its write, in the background writer for asynchronous saves, so ranks
+hash in parallel and never in a training step. Rank 0 merges the parts into ``manifest.json`` (hashing any file no
+part named) just before it publishes the folder.
+
+A folder ``lightning-dist-export`` writes carries a manifest of the same form, :data:`EXPORT_MARKER`, which also marks
+it as an export that ``--overwrite`` may replace.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import zlib
 from pathlib import Path
 from typing import Any
 
+from lightning_dist.manifest import MANIFEST_VERSION, PART, describe, files_of, manifest_problem, write_json
+
 LATEST = "latest"  #: the file naming the newest complete checkpoint of a run's checkpoint folder
 MANIFEST = "manifest.json"  #: in a sharded checkpoint folder: every other file's size and CRC-32
-_PART = re.compile(r"^\.manifest-(\d+)\.json$")
+#: In a folder ``lightning-dist-export`` wrote: its manifest, and the mark that the folder is an export (``--overwrite``
+#: replaces only a folder holding it). Hidden, so a HuggingFace folder lists as transformers writes one.
+EXPORT_MARKER = ".lightning-dist-export.json"
+HF_FOLDER = "hf"  #: the HuggingFace weights' folder inside a checkpoint folder (``checkpoint.save_hf``)
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: one or more files per rank
-_CHUNK = 8 << 20  # bytes read at a time: large enough that the checksum, not Python, sets the pace
 
 
 # ------------------------------------------------------------------------------------------------- the folder
@@ -48,25 +54,10 @@ def pointed(dirpath: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------------ writing a manifest
-def crc32_of(path: Path) -> str:
-    """The CRC-32 of the file ``path``'s bytes, read in 8 MiB chunks (``zlib.crc32`` releases the GIL), as hex."""
-    crc, buffer = 0, bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while count := file.readinto(buffer):
-            crc = zlib.crc32(view[:count], crc)
-    return f"{crc:08x}"
-
-
-def describe(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"size": bytes, "crc32": hex}}`` of the files ``names`` in ``folder``."""
-    return {name: {"size": (folder / name).stat().st_size, "crc32": crc32_of(folder / name)} for name in names}
-
-
 def own_files(folder: Path, rank: int) -> list[str]:
     """The files of the checkpoint ``folder`` that ``rank`` wrote: its DCP shards; rank 0 also every other file."""
     mine = []
-    for name in _data_files(Path(folder)):
+    for name in _checkpoint_files(Path(folder)):
         shard = _SHARD.match(name)
         if (int(shard.group(1)) == rank) if shard else rank == 0:
             mine.append(name)
@@ -77,7 +68,7 @@ def write_part(folder: Path, rank: int) -> None:
     """This rank's part of the manifest of the checkpoint ``folder``, once its own files are written: their sizes and
     CRC-32s, in ``.manifest-<rank>.json`` (written under a temporary name and renamed, so a part is there whole)."""
     folder = Path(folder)
-    _write_json(folder / f".manifest-{rank}.json", describe(folder, own_files(folder, rank)))
+    write_json(folder / f".manifest-{rank}.json", describe(folder, own_files(folder, rank)))
 
 
 def parts_written(folder: Path, world_size: int) -> bool:
@@ -90,11 +81,13 @@ def merge_parts(folder: Path) -> None:
     named is hashed here), durable on disk before the folder is published; the parts are removed."""
     folder = Path(folder)
     files: dict[str, dict[str, Any]] = {}
-    parts = [path for path in folder.iterdir() if _PART.match(path.name)]
+    parts = [path for path in folder.iterdir() if PART.match(path.name)]
     for part in parts:
         files.update(json.loads(part.read_text()))
-    files.update(describe(folder, [name for name in _data_files(folder) if name not in files]))
-    _write_json(folder / MANIFEST, {"version": 1, "checksum": "crc32", "files": dict(sorted(files.items()))})
+    files.update(describe(folder, [name for name in _checkpoint_files(folder) if name not in files]))
+    write_json(
+        folder / MANIFEST, {"version": MANIFEST_VERSION, "checksum": "crc32", "files": dict(sorted(files.items()))}
+    )
     for part in parts:
         part.unlink()
 
@@ -105,43 +98,14 @@ def has_manifest(folder: Path) -> bool:
     return (Path(folder) / MANIFEST).is_file()
 
 
-def manifest_problem(folder: Path, checksums: bool = True) -> str | None:
-    """What is wrong with the files of the checkpoint ``folder`` against its manifest, naming the file (a missing
-    file, another size, with ``checksums`` another CRC-32), or ``None`` when every file is as it was written."""
-    folder = Path(folder)
-    try:
-        files = json.loads((folder / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"its {MANIFEST} cannot be read (truncated?)"
-    for name, written in files.items():  # sizes first: a truncated or missing file is found without reading any
-        try:
-            size = (folder / name).stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != written["size"]:
-            return f"{name} has {size} bytes, not the {written['size']} written (truncated?)"
-    if checksums:
-        for name, written in files.items():
-            try:
-                crc = crc32_of(folder / name)
-            except OSError as err:
-                return f"{name} cannot be read ({err.strerror})"
-            if crc != written["crc32"]:
-                return f"{name} does not match the CRC-32 written with it (its bytes changed)"
-    return None
+def export_problem(folder: Path, checksums: bool = True) -> str | None:
+    """What is wrong with the exported ``folder`` against its :data:`EXPORT_MARKER` (a file missing, truncated, changed
+    or added), or ``None``; ``None`` too for a folder that is not an export (nothing to check it against)."""
+    if not (Path(folder) / EXPORT_MARKER).is_file():
+        return None
+    return manifest_problem(folder, checksums, name=EXPORT_MARKER, unlisted=True)
 
 
-def _data_files(folder: Path) -> list[str]:
-    """The files of a checkpoint folder a manifest lists: all but the manifest, its parts and temporary files."""
-    names = (path.name for path in folder.iterdir() if path.is_file())
-    return sorted(n for n in names if n != MANIFEST and not _PART.match(n) and not n.endswith(".tmp"))
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """``value`` as JSON at ``path``: a temporary file flushed to disk, then renamed (the file is there whole)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as file:
-        json.dump(value, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-    tmp.replace(path)
+def _checkpoint_files(folder: Path) -> list[str]:
+    """The files of a checkpoint folder its manifest lists (``hf/`` included): all but the manifest and its parts."""
+    return files_of(folder, MANIFEST)

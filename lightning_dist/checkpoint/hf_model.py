@@ -4,6 +4,10 @@
 (its newest complete checkpoint) and gives the folder transformers loads and, for a LoRA run, the adapter folder peft
 puts on it. A checkpoint's own ``hf/`` folder (``checkpoint.save_hf=true``) is read as it is; a checkpoint without one
 is exported first (``lightning-dist-export``'s code, into a temporary folder the caller removes).
+
+Every folder this project wrote is checked before it is read: a checkpoint's ``hf/`` against the checkpoint's
+manifest (only its ``hf/`` files: the shards are not read then), an exported folder against its marker
+(:func:`~lightning_dist.checkpoint.store.check_hf_folder`), a checkpoint exported here as a whole.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from lightning_dist.checkpoint.adapters import export_adapter, lora_of
 from lightning_dist.checkpoint.export import Checkpoint, copy_tokenizer_files, export_hf
-from lightning_dist.checkpoint.hf_save import HF_FOLDER
+from lightning_dist.checkpoint.folder import HF_FOLDER, complete_checkpoints, pointed
+from lightning_dist.checkpoint.store import check_hf_folder
 from lightning_dist.checkpoint.weights import is_hf_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,16 +55,19 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
         ValueError: Nothing loadable there, or an adapter whose base model is not named / not found (one line).
     """
     path = Path(path).expanduser()
+    check_hf_folder(path)  # a folder we wrote (a checkpoint's hf/, an export), checked before anything reads it
     if (path / ADAPTER_CONFIG).is_file():
-        return HFModel(_adapter_base(path, base), adapter=path)
+        adapter_base = _adapter_base(path, base)
+        check_hf_folder(adapter_base)
+        return HFModel(adapter_base, adapter=path)
     if is_hf_folder(path):
         return HFModel(path)
     if not path.exists():
         raise ValueError(f"{path} does not exist; give a run folder, a checkpoint, or a HuggingFace / adapter folder.")
+    newest = _newest_checkpoint(path)
+    if newest is not None and (newest / HF_FOLDER).is_dir():  # its hf/ checked (what is read), not its shards
+        return resolve_hf_model(newest / HF_FOLDER, base)
     ckpt = Checkpoint(path)  # a run folder's newest checkpoint, verified
-    written = ckpt.path / HF_FOLDER
-    if written.is_dir():
-        return resolve_hf_model(written, base)
     tmp = Path(tempfile.mkdtemp(prefix="lightning-dist-hf-"))
     out = tmp / "model"
     lora = lora_of(ckpt.hyper_parameters)
@@ -76,6 +84,14 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
     except ValueError:
         HFModel(out, temporary=tmp).cleanup()
         raise
+
+
+def _newest_checkpoint(path: Path) -> Path | None:
+    """The checkpoint ``path`` names (a run folder: its newest, as :class:`Checkpoint` takes it), if it is a folder."""
+    if (path / "checkpoints").is_dir():
+        published = complete_checkpoints(path / "checkpoints")
+        path = pointed(path / "checkpoints") or (published[-1] if published else path)
+    return path if path.is_dir() and (path / ".metadata").is_file() else None
 
 
 def _adapter_base(adapter: Path, given: Path | None = None) -> Path:

@@ -24,12 +24,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_dist.checkpoint.adapters import hf_layer_names, lora_of
 from lightning_dist.checkpoint.export import copy_tokenizer_files
+from lightning_dist.checkpoint.folder import HF_FOLDER
 from lightning_dist.checkpoint.weights import MODULE_ATTR
+from lightning_dist.manifest import make_readable
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import hf_config, hf_tensors, same
 from lightning_dist.models.lora import adapted_layers, adapter_names, peft_adapter_name
 
-HF_FOLDER = "hf"  #: the HuggingFace weights' folder inside a checkpoint folder
 MAX_SHARD_BYTES = 5 * 2**30  #: as transformers' save_pretrained and lightning-dist-export
 
 
@@ -67,6 +68,7 @@ def save_hf(module: nn.Module, folder: Path, hyper_parameters: dict[str, Any]) -
         source = hyper_parameters.get("hf_source")
         if source:
             copy_tokenizer_files(Path(source), folder)
+        make_readable(folder)  # safetensors writes 0600: a serving job of another user reads this folder
     return folder
 
 

@@ -112,12 +112,14 @@ def _usage(repo_id: str, base: str | None, adapter: bool) -> list[str]:
     ]
 
 
-def push_to_hub(folder: Path, repo_id: str, private: bool = False, message: str | None = None) -> str:
+def push_to_hub(
+    folder: Path, repo_id: str, private: bool = False, leave_out: str | None = None, message: str | None = None
+) -> str:
     """Create ``repo_id`` (if needed) and upload ``folder`` to it with huggingface_hub (the user's token,
-    ``HF_ENDPOINT``); returns the commit's URL.
+    ``HF_ENDPOINT``); returns the commit's URL. ``leave_out``: a file name not uploaded (the export's marker).
 
     Raises:
-        ValueError: huggingface_hub missing, or the hub refused (one line: the token, the name, the network).
+        ValueError: huggingface_hub missing, or the upload failed (one line: the hub's refusal, or no connection).
     """
     try:
         import huggingface_hub  # optional: lightning-dist[hf]
@@ -127,12 +129,24 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False, message: str 
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         commit = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), commit_message=message or f"Upload {folder.name} (lightning-dist)"
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=message or f"Upload {folder.name} (lightning-dist)",
+            ignore_patterns=[leave_out] if leave_out else None,
         )
     except (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"--push-to-hub {repo_id}: the hub refused ({reason}); check HF_TOKEN / `hf auth login` (a write "
-            "token) and the repo name. The export itself is written."
+            f"--push-to-hub {repo_id}: the hub refused ({_reason(err)}); check HF_TOKEN / `hf auth login` (a write "
+            "token) and the repo name"
+        ) from None
+    except Exception as err:  # httpx's connection errors (no network, a proxy, DNS) are none of the above
+        raise ValueError(
+            f"--push-to-hub {repo_id}: the hub could not be reached ({type(err).__name__}: {_reason(err)}); check the "
+            "network (HF_ENDPOINT, a proxy)"
         ) from None
     return str(commit)
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -29,7 +29,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_dist import _compat
-from lightning_dist.checkpoint.folder import MANIFEST, complete_checkpoints, has_manifest, manifest_problem, pointed
+from lightning_dist.checkpoint.folder import (
+    EXPORT_MARKER,
+    HF_FOLDER,
+    MANIFEST,
+    complete_checkpoints,
+    export_problem,
+    has_manifest,
+    pointed,
+)
+from lightning_dist.manifest import manifest_problem, read_manifest
 
 _OPTIM_STATE_SAVE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 _OPTIM_STATE_LOAD = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -71,6 +80,10 @@ def read_rest(path: Path, weights_only: bool | None) -> dict[str, Any]:
 
 #: The key of Lightning's checkpoint under which a run notes what defines it (its seed, data, batch, LR schedule).
 RUN_RECORD = "lightning_dist_run"
+#: The key of Lightning's checkpoint under which :class:`~lightning_dist.callbacks.checkpoints.RunCheckpoints` notes
+#: that the folder is published with a manifest: one without it lost it (a checkpoint holding :data:`RUN_RECORD` was
+#: written after manifests existed too).
+MANIFEST_NOTE = "lightning_dist_manifest"
 
 
 def run_record_of(path: Path) -> dict[str, Any] | None:
@@ -139,9 +152,11 @@ def damage(path: Path, checksums: bool = True) -> str | None:
     """Why the checkpoint ``path`` cannot be loaded (a file missing, truncated or changed), or ``None`` if it is whole.
 
     A sharded folder needs DCP's ``.metadata`` and Lightning's file, and each file its size and (``checksums``) CRC-32
-    of the manifest written when it was published (:mod:`~lightning_dist.checkpoint.folder`). A folder written before
-    manifests existed is checked by size only: each shard file at least as long as DCP's index says. A single file is
-    a zip archive (``torch.save``) whose directory, at its end, is readable and (``checksums``) whose members match
+    of the manifest written when it was published (:mod:`~lightning_dist.checkpoint.folder`), those of its ``hf/``
+    folder too. A folder written before manifests existed is checked by size only: each shard file at least as long as
+    DCP's index says; one whose Lightning file says it was published with a manifest (:data:`MANIFEST_NOTE`,
+    :data:`RUN_RECORD`) and has none is damaged (the manifest was removed: its files cannot be checked). A single file
+    is a zip archive (``torch.save``) whose directory, at its end, is readable and (``checksums``) whose members match
     the CRC-32 the archive keeps for each. Repeated checks of an unchanged checkpoint are answered from memory.
     """
     path = Path(path)
@@ -158,11 +173,13 @@ _VERDICTS: dict[tuple, str | None] = {}  # (checkpoint, checksums, its files' na
 
 
 def _signature(path: Path) -> tuple:
-    """What a remembered verdict on ``path`` holds for: each file's name, size and modification time."""
+    """What a remembered verdict on ``path`` holds for: each file's name, size and modification time (subfolders'
+    files too: ``hf/``)."""
     if not path.is_dir():
         stat = path.stat()
         return (stat.st_size, stat.st_mtime_ns)
-    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+    files = (p for p in path.rglob("*") if not p.is_dir())
+    return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
 
 
 def _damage(path: Path, checksums: bool) -> str | None:
@@ -170,7 +187,9 @@ def _damage(path: Path, checksums: bool) -> str | None:
         missing = [name for name in (".metadata", _compat.checkpoint_metadata_file()) if not (path / name).is_file()]
         if missing:
             return f"missing {', '.join(missing)}"
-        return manifest_problem(path, checksums) if has_manifest(path) else _size_problem(path)
+        if has_manifest(path):
+            return manifest_problem(path, checksums)
+        return _size_problem(path) or _lost_manifest(path)
     if not path.is_file():
         return "no such file or folder"
     if not zipfile.is_zipfile(path):
@@ -205,14 +224,74 @@ def _size_problem(path: Path) -> str | None:
     return None
 
 
+def _lost_manifest(path: Path) -> str | None:
+    """A sharded checkpoint without a manifest whose Lightning file says it was published with one: damaged."""
+    try:
+        rest = read_rest(path, False)
+    except Exception:  # _size_problem found the file whole: a file that unpickles to nothing of ours says nothing
+        return None
+    if isinstance(rest, dict) and (MANIFEST_NOTE in rest or RUN_RECORD in rest):
+        return f"its {MANIFEST} is missing (it was published with one: removed?), so its files cannot be checked"
+    return None
+
+
 def unchecked_note(path: Path) -> str | None:
-    """A line for a sharded checkpoint without a manifest (written before manifests existed): only sizes checked."""
-    if Path(path).is_dir() and not has_manifest(path):
+    """A line for a sharded checkpoint without a manifest (written before manifests existed): only sizes checked; or
+    with a manifest older than its ``hf/`` folder's cover (version 1): that folder is not checked."""
+    path = Path(path)
+    if path.is_dir() and not has_manifest(path):
         return (
             f"checkpoint {path} has no {MANIFEST} (written before checkpoints had one): only its files' sizes were "
             "checked, not their contents"
         )
+    manifest = read_manifest(path) if path.is_dir() and (path / HF_FOLDER).is_dir() else None
+    if manifest is not None and int(manifest.get("version", 1)) < 2:
+        return (
+            f"checkpoint {path}'s {MANIFEST} (version 1) does not cover its {HF_FOLDER}/ folder: those files are not "
+            "checked"
+        )
     return None
+
+
+# ------------------------------------------------------------------------------ HuggingFace folders we wrote
+def hf_folder_problem(folder: Path, checksums: bool = True) -> str | None:
+    """What is wrong with a HuggingFace or peft adapter folder this project wrote, before it is read: a checkpoint's
+    ``hf/`` against the checkpoint's manifest (its entries under ``hf/``; a file added there is wrong too), an export
+    against its :data:`~lightning_dist.checkpoint.folder.EXPORT_MARKER`; ``None`` when it is whole, and for a folder of
+    anyone else's (a hub download, a user's ``save_pretrained``: there is nothing to check it against)."""
+    folder = Path(folder)
+    if (folder / EXPORT_MARKER).is_file():
+        return export_problem(folder, checksums)
+    checkpoint = folder.parent
+    if folder.name != HF_FOLDER or not (checkpoint / ".metadata").is_file():
+        return None
+    if not has_manifest(checkpoint):
+        return _lost_manifest(checkpoint)  # else an older checkpoint: nothing to check against (unchecked_note)
+    manifest = read_manifest(checkpoint)
+    if manifest is None:
+        return f"its checkpoint's {MANIFEST} cannot be read (truncated?)"
+    if int(manifest.get("version", 1)) < 2:
+        return None  # written before manifests covered hf/ (unchecked_note says so)
+    return manifest_problem(checkpoint, checksums, under=f"{HF_FOLDER}/", unlisted=True)
+
+
+def check_hf_folder(folder: Path, checksums: bool = True) -> None:
+    """Raise one line naming ``folder``, what is wrong with it and what to read instead (:func:`hf_folder_problem`).
+
+    Raises:
+        ValueError: The folder is damaged.
+    """
+    problem = hf_folder_problem(folder, checksums)
+    if problem is None:
+        return
+    folder = Path(folder)
+    if (folder / EXPORT_MARKER).is_file():
+        source = (read_manifest(folder, EXPORT_MARKER) or {}).get("source", "its checkpoint")
+        fix = f"export it again: lightning-dist-export {source} {folder} --overwrite"
+    else:
+        good = latest_checkpoint(folder.parent.parent, checksums)
+        fix = f"the newest whole checkpoint there is {good}" if good else "there is no whole checkpoint beside it"
+    raise ValueError(f"{folder} cannot be loaded ({problem}); {fix}.")
 
 
 def check_loadable(path: Path, checksums: bool = True) -> None:

@@ -12,21 +12,35 @@ from lightning_dist import environment
 from lightning_dist.checkpoint.folder import complete_checkpoints
 from lightning_dist.environment import is_global_zero, launcher, launcher_sizes
 
+#: What a run leaves in its folder that a new run there would replace: the report (``report.json``, written at every
+#: run's end) and Lightning's CSV logger's rows (its writer deletes ``metrics.csv`` as it opens).
+RUN_RESULTS = ("report.json", "csv/metrics.csv")
+
 
 def check_new_run_folder(output_dir: str | None, ckpt_path: str | None = None) -> None:
     """A run that does not continue another (no ``resume``, not a torchrun / SLURM restart) starts in a folder that
-    holds no run's checkpoints: it would overwrite them, and its ``metrics.csv`` rows would mix with theirs.
+    holds no run's checkpoints (it would overwrite them, and its ``metrics.csv`` rows would mix with theirs), nor, for
+    a run without checkpoints, its results (:data:`RUN_RESULTS`: a new run would replace its report and metrics).
 
     ``ckpt_path`` naming a checkpoint of that folder continues its run, as ``resume`` does.
 
     Raises:
-        ValueError: One line naming the folder, its newest checkpoint and the fixes.
+        ValueError: One line naming the folder, its newest checkpoint (or the results) and the fixes.
     """
     if output_dir is None:
         return
     checkpoints = Path(output_dir) / "checkpoints"
     found = complete_checkpoints(checkpoints)
-    if not found or (ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve()):
+    if ckpt_path is not None and Path(ckpt_path).resolve().parent == checkpoints.resolve():
+        return
+    if not found:
+        results = [name for name in RUN_RESULTS if (Path(output_dir) / name).is_file()]
+        if results:
+            raise ValueError(
+                f"output_dir={output_dir} already holds another run's results ({', '.join(results)}) and no checkpoint "
+                "to continue it from; a new run there would replace them: start it in a new folder (output_dir=...), "
+                "or move them away first."
+            )
         return
     new_folder = "another --rdzv-id, or output_dir=..." if launcher() == "torchrun" else "output_dir=..."
     raise ValueError(

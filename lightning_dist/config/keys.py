@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,38 @@ def group_options(conf_dir: Path, group: str) -> list[str] | None:
     if not folder.is_dir() or group.startswith("hydra"):
         return None  # hydra/launcher and the like: their options come from plugins too
     return sorted(path.stem for path in folder.glob("*.yaml"))
+
+
+def search_dirs(args: list[str]) -> list[Path] | None:
+    """The config folders the command line ``args`` adds to Hydra's search path (``--config-dir`` / ``-cd``,
+    ``--config-path`` / ``-cp``, ``hydra.searchpath=[file://..., pkg://...]``), in order; ``None`` when one cannot be
+    found here (a package that is not installed): what it holds is then unknown."""
+    found: list[Path] = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd", "--config-path", "-cp") and i + 1 < len(args):
+            found.append(Path(args[i + 1]).expanduser())
+        elif arg.startswith(("--config-dir=", "--config-path=")):
+            found.append(Path(arg.partition("=")[2]).expanduser())
+        elif arg.lstrip("+").startswith("hydra.searchpath="):
+            for entry in arg.partition("=")[2].strip("[]").split(","):
+                folder = _search_entry(entry.strip().strip("'\""))
+                if folder is None:
+                    return None
+                found.append(folder)
+    return found
+
+
+def _search_entry(entry: str) -> Path | None:
+    """The folder of one ``hydra.searchpath`` entry: ``file://<folder>``, ``pkg://<package>[/<folder>]``."""
+    if entry.startswith("pkg://"):
+        package, _, below = entry.removeprefix("pkg://").replace("/", ".").partition(".")
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            return None
+        places = list(spec.submodule_search_locations or []) if spec is not None else []
+        return Path(places[0]).joinpath(*below.split(".")) if places else None
+    return Path(entry.removeprefix("file://")).expanduser()
 
 
 def hydra_error_line(err: BaseException) -> str | None:

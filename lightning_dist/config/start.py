@@ -12,11 +12,12 @@ import torch
 
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
 from lightning_dist.checkpoint.resume import find_start, note
-from lightning_dist.checkpoint.store import check_loadable, read_rest, run_record_of
+from lightning_dist.checkpoint.store import check_hf_folder, check_loadable, read_rest, run_record_of
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
 from lightning_dist.data.config import DataConfig
+from lightning_dist.data.contents import data_contents
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import from_hf_names
 from lightning_dist.models.qlora import NF4_NAMES
@@ -45,23 +46,53 @@ def resolve_start(cfg: TrainConfig) -> tuple[str | None, str | None]:
 # ------------------------------------------------------------------------------ what defines the run it continues
 #: Data fields that change how the batches are computed, not which samples they hold (a layout choice).
 _NOT_THE_STREAM = ("micro_batch_size", "num_workers", "num_proc", "cache_dir")
-_LABELS = {"lr_schedule_steps": "the LR schedule's length (optim.decay_steps, else trainer.max_steps)"}
+#: Where the data is: compared only when a record has no fingerprint of its contents (one written before it had).
+_WHERE = ("data.path", "data.val_path")
+_LABELS = {
+    "lr_schedule_steps": "the LR schedule's length (optim.decay_steps, else trainer.max_steps)",
+    "data.contents": "the data's contents (a fingerprint of data.path's files)",
+}
 
 
-def run_record(cfg: TrainConfig) -> dict[str, Any]:
-    """What defines a run's data stream and learning rate, noted in each of its checkpoints (a resolved config's):
-    the seed, the data's fields (its global batch included), and for the built-in modules the optimizer's fields and
-    the LR schedule's length. A run that continues one with other values is not the run it continues."""
+def run_record(cfg: TrainConfig, contents: bool = True) -> dict[str, Any]:
+    """What defines a run's data stream, learning rate and model's math, noted in each of its checkpoints (a resolved
+    config's): the seed, the data's fields (its global batch included) and a fingerprint of its files' contents
+    (``contents``: read them; :mod:`~lightning_dist.data.contents`), for the built-in modules the optimizer's fields,
+    the LR schedule's length and ``model.lora`` (alpha and dropout change an adapter's output, not its shapes). A run
+    that continues one with other values is not the run it continues."""
     record: dict[str, Any] = {"seed": cfg.seed}
     if isinstance(cfg.data, DataConfig):
         record.update({f"data.{k}": v for k, v in asdict(cfg.data).items() if k not in _NOT_THE_STREAM})
+        record["data.contents"] = data_contents(cfg.data) if contents else None
     elif isinstance(cfg.data, TargetConfig):
         record.update({"data._target_": cfg.data.target, **{f"data.{k}": v for k, v in cfg.data.kwargs.items()}})
     if isinstance(cfg.model, (GPTConfig, HFModelConfig)):  # a user's module has an optimizer of its own
         record.update({f"optim.{k}": v for k, v in asdict(cfg.optim).items() if k != "decay_steps"})
         steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else f"{cfg.trainer.max_epochs} epochs"
         record["lr_schedule_steps"] = cfg.optim.decay_steps or steps
+        lora = cfg.model.lora
+        record.update(
+            {f"model.lora.{k}": v for k, v in asdict(lora).items()} if lora.enabled else {"model.lora.rank": 0}
+        )
     return record
+
+
+def record_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Each value of the run record ``now`` that differs from the checkpoint's ``recorded`` one, as ``key old -> new``.
+
+    A key the checkpoint's record lacks was not noted when it was written (a newer field): not a change. With both
+    fingerprints of the data's contents, those decide and the paths do not (the same files moved are the same data);
+    a record without one compares the paths."""
+    keys = set(recorded)
+    if recorded.get("data.contents") is not None and now.get("data.contents") is not None:
+        keys -= set(_WHERE)  # both fingerprints: they decide
+    else:
+        keys.discard("data.contents")  # one lacks a fingerprint: the paths decide
+    return [
+        f"{_LABELS.get(key, key)} {recorded.get(key, '-')} -> {now.get(key, '-')}"
+        for key in sorted(keys)
+        if recorded.get(key) != now.get(key)
+    ]
 
 
 def check_unchanged(cfg: TrainConfig, label: str) -> None:
@@ -74,12 +105,7 @@ def check_unchanged(cfg: TrainConfig, label: str) -> None:
     recorded = run_record_of(Path(cfg.ckpt_path))
     if recorded is None:  # written before runs noted it, or by a user's own Trainer
         return
-    now = run_record(cfg)
-    changes = [
-        f"{_LABELS.get(key, key)} {recorded.get(key, '-')} -> {now.get(key, '-')}"
-        for key in sorted(set(recorded) | set(now))
-        if recorded.get(key) != now.get(key)
-    ]
+    changes = record_changes(recorded, run_record(cfg))
     if not changes:
         return
     if cfg.resume_allow_changes:
@@ -96,6 +122,7 @@ def _check_init_from(cfg: TrainConfig) -> None:
     """``init_from`` names weights this model can start from: a HuggingFace folder or a whole checkpoint folder."""
     path = Path(cfg.init_from)
     if is_hf_folder(path):
+        check_hf_folder(path, cfg.checkpoint.verify == "checksums")  # an export or a checkpoint's hf/: whole
         if isinstance(cfg.model, GPTConfig):
             from_hf_names(cfg.model)  # raises for the layouts that cannot be read slice by slice
         elif not isinstance(cfg.model, HFModelConfig):

@@ -18,6 +18,7 @@ import copy
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from hydra.utils import get_class
 
@@ -34,6 +35,7 @@ from lightning_dist.config.trainer_args import adopt_lightning_names
 from lightning_dist.data.config import DataConfig, data_seed, per_rank_batch_size, validate_data_config
 from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.hub import resolve_data_path
+from lightning_dist.manifest import DATA_MANIFEST, manifest_problem
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
 from lightning_dist.parallel.options import FROM_PEER, Parallelism
@@ -311,6 +313,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     # once, so the ranks only open the cache.
     datamodule = TokenDataModule(data, seed=cfg.seed)
     datamodule.setup()
+    check_data_files(data, datamodule)
     if data.kind == "tokens":
         for split in ("train", "val"):
             dataset = datamodule.dataset(split)
@@ -321,6 +324,37 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
                     f"data.vocab_size (and model.vocab_size) above {largest}, or check data.token_dtype."
                 )
     return per_rank_batch
+
+
+def check_data_files(data: DataConfig, datamodule: Any) -> None:
+    """The tokenized data a run reads is as it was written: ``data=tokens``' folder against the manifest
+    ``lightning-dist-prepare`` wrote with it (a folder of another tool's has none: nothing to check it against), and a
+    ``data=hf`` cache against its own (every cache has one since CACHE_VERSION 2). Each file's size and CRC-32: one
+    read of the files, as ``data=tokens``' largest-token check reads them anyway.
+
+    Raises:
+        ValueError: A file missing, truncated, changed or added (one line naming it and the fix).
+    """
+    if data.kind == "tokens":
+        folder = Path(data.path).expanduser()
+        problem = manifest_problem(folder, name=DATA_MANIFEST) if (folder / DATA_MANIFEST).is_file() else None
+        if problem is not None:
+            raise ValueError(
+                f"data.path={data.path} is damaged ({problem}); write it again with lightning-dist-prepare (its "
+                "meta.json names the sources and tokenizer)."
+            )
+    elif data.kind == "hf":
+        for split in ("train", "val"):
+            try:
+                folder = getattr(datamodule.dataset(split), "folder", None)
+            except ValueError:  # data.streaming: train is a stream (no cache), val only with data.val_path
+                continue
+            problem = manifest_problem(folder, name=DATA_MANIFEST, unlisted=True)
+            if problem is not None:
+                raise ValueError(
+                    f"the data=hf cache {folder} is damaged ({problem}); remove it (rm -r {folder}) and the next run "
+                    "tokenizes the data again."
+                )
 
 
 def _check_tokenizer(cfg: TrainConfig, vocab: int | None) -> None:

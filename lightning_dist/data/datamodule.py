@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_dist import _compat
 from lightning_dist.contract import data_parallel_kwargs, strategy_view
 from lightning_dist.data import corpus
 from lightning_dist.data.config import (
@@ -24,7 +25,7 @@ from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
 from lightning_dist.data.sources import parse_source
 from lightning_dist.data.streaming import StreamedWindows, build_streamed_windows, merge_states
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
-from lightning_dist.data.token_norm import GlobalBatchTokensSampler, batch_tokens
+from lightning_dist.data.token_norm import GlobalBatchTokensSampler
 
 _BYTE_VOCAB = 256
 
@@ -66,6 +67,9 @@ class TokenDataModule(pl.LightningDataModule):
         self._chain: MarkovChain | None = None
         self._datasets: dict[str, Dataset] = {}
         self._resume_step = 0  # optimizer steps already taken by the checkpoint this run resumes from
+        self._resume_position: tuple[int, int] | None = None  # (epoch, its samples already trained on) at that step
+        self._resume_samples: int | None = None  # samples (windows) trained on before it, since the run's start
+        self._align_progress = False  # a resume: Lightning's count of the epoch's batches is set from the position
         self._stream: StreamedWindows | None = None  # data.streaming: the train stream, built with the loader
         self._stream_state: dict[str, Any] | None = None  # data.streaming: the position a resume continues from
 
@@ -190,8 +194,15 @@ class TokenDataModule(pl.LightningDataModule):
         )
         counts = dataset.target_counts() if isinstance(dataset, PackedDataset) else None  # None: every target counts
         if train:
-            steps_per_epoch = len(dataset) // self.cfg.global_batch_size
-            sampler = StepSampler(sampler, self._resume_step, steps_per_epoch, per_rank, counts)
+            epoch, offset = self.position_at(self._resume_step)
+            sampler = StepSampler(sampler, per_rank, counts, epoch, offset)
+            if self._align_progress and self.trainer is not None:  # once, on the loader built after the restore
+                self._align_progress = False
+                batches, accumulate = len(sampler) // batch_size, per_rank // batch_size
+                left = (
+                    sampler.steps_left * accumulate if sampler.offset else 0
+                )  # at an epoch's start: the last one done
+                _compat.set_epoch_batches_done(self.trainer, batches - left)
         elif counts is not None:
             sampler = GlobalBatchTokensSampler(sampler, counts, self.cfg.global_batch_size)
         return DataLoader(
@@ -237,24 +248,60 @@ class TokenDataModule(pl.LightningDataModule):
         return DataLoader(self._stream, batch_size=batch_size, drop_last=True, num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: how far into the data stream training got (data.streaming: the stream's
-        position before the first window not yet trained on, not the loader's, which reads ahead)."""
+        """Saved in Lightning checkpoints: how far into the data training got, in samples (windows), whatever the
+        global batch was: ``samples`` since the run's start, and ``epoch`` with ``epoch_samples`` (the samples of that
+        epoch's order already trained on) or, for ``data.streaming``, the stream's position before the first window
+        not yet trained on (not the loader's, which reads ahead). A resume with another ``data.global_batch_size``
+        (``resume_allow_changes=true``) continues from there: no sample skipped or read twice."""
         step = int(self.trainer.global_step) if self.trainer is not None else 0
-        if self._stream is not None:  # global_step x global batch windows consumed; the same on every rank
-            return {"global_step": step, "stream": _whole_position(self._stream, step * self.cfg.global_batch_size)}
-        if self._stream_state is not None:  # resumed, and no batch read since
-            return {"global_step": step, "stream": self._stream_state}
-        return {"global_step": step}
+        state: dict[str, Any] = {"global_step": step, "samples": self.samples_at(step)}
+        if self._stream is not None:  # the windows consumed, the same on every rank
+            state["stream"] = _whole_position(self._stream, state["samples"])
+        elif self._stream_state is not None:  # resumed, and no batch read since
+            state["stream"] = self._stream_state
+        elif not (self.cfg.kind == "hf" and self.cfg.streaming):
+            state["epoch"], state["epoch_samples"] = self.position_at(step)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """On resume, continue the interrupted epoch (or the stream) where it stopped instead of replaying it."""
         self._resume_step = int(state_dict.get("global_step", 0))
         self._stream_state = state_dict.get("stream")
+        self._resume_samples = state_dict.get("samples")
+        if "epoch" in state_dict:  # else a checkpoint from before positions were saved in samples: by its step
+            self._resume_position = (int(state_dict["epoch"]), int(state_dict["epoch_samples"]))
+        self._align_progress = True
         if self.cfg.kind == "hf" and self.cfg.streaming and self._resume_step and self._stream_state is None:
             raise ValueError(
                 f"the checkpoint (step {self._resume_step}) holds no stream position: it was not saved with "
                 "data.streaming=true; resume with the data config it was saved with"
             )
+
+    def samples_at(self, step: int) -> int:
+        """Samples (``data.streaming``: windows) trained on before optimizer step ``step``, since the run's start:
+        those of the checkpoint resumed from, then ``data.global_batch_size`` per step."""
+        if self._resume_samples is not None:
+            base = int(self._resume_samples)
+        elif self._stream_state is not None:  # a stream's checkpoint from before samples were saved
+            base = int(self._stream_state.get("window", self._resume_step * self.cfg.global_batch_size))
+        else:
+            base = self._resume_step * self.cfg.global_batch_size
+        return base + (step - self._resume_step) * self.cfg.global_batch_size
+
+    def position_at(self, step: int) -> tuple[int, int]:
+        """``(epoch, samples of its order already trained on)`` before optimizer step ``step``: from the checkpoint's
+        position (in samples, whatever its batch), the resumed epoch's whole global batches, then whole epochs of
+        ``len // data.global_batch_size`` steps (the tail of each epoch's order that fills no global batch is left)."""
+        size, batch = len(self.dataset("train")), self.cfg.global_batch_size
+        per_epoch = size // batch
+        epoch, offset = self._resume_position or (divmod(self._resume_step, per_epoch) if per_epoch else (0, 0))
+        if self._resume_position is None:
+            offset *= batch  # a checkpoint from before positions were saved in samples: its batch taken as this one
+        left = (size - offset) // batch  # whole global batches left in the resumed epoch
+        done = step - self._resume_step
+        if done < left:
+            return epoch, offset + done * batch
+        return epoch + 1 + (done - left) // per_epoch, (done - left) % per_epoch * batch
 
     def train_dataloader(self) -> DataLoader:
         """Returns this data-parallel rank's shuffled train loader."""
@@ -268,12 +315,19 @@ class TokenDataModule(pl.LightningDataModule):
 
 
 class StepSampler(Sampler[int]):
-    """Serves the data stream by optimizer step: epoch ``e`` = steps // steps_per_epoch, resuming mid-epoch.
+    """Serves the data stream by global batch: each epoch's order cut into blocks of one global batch, this rank's
+    share of each block in turn, resuming mid-epoch at a position in samples.
 
     Lightning's own epoch counter cannot be trusted for this: a run stopped by ``max_steps`` mid-epoch is saved as
     if the epoch had ended, and a resumed run would start the next permutation. Here the first iteration starts at
-    ``start_step`` (the checkpoint's step, skipping what was already trained on) and every later iteration serves
-    the next full epoch, so a resumed run sees exactly the batches an uninterrupted run would.
+    ``start_offset`` samples into epoch ``start_epoch``'s order (what the checkpoint's run already trained on, in
+    samples, whatever its global batch was) and every later iteration serves the next full epoch, so a resumed run
+    sees exactly the samples an uninterrupted run would, and with another global batch (a resume that changes it) the
+    rest of the epoch, none skipped or read twice.
+
+    Each rank reads one permutation of the dataset (``DistributedSampler``'s with one replica: its seed and epoch): the
+    global batch ``k`` of an epoch resumed at ``o`` is ``order[o + k G : o + (k + 1) G]``, of which rank ``r`` reads
+    every ``N``-th sample from ``r`` (the ``DistributedSampler``'s own share when ``o`` is a multiple of ``G``).
 
     With ``counts`` (each sample's target tokens: masked data) it yields ``(index, G, N_s)`` instead of ``index``: the
     global batch size and the target tokens of the global batch of step ``s`` that the index belongs to.
@@ -282,38 +336,53 @@ class StepSampler(Sampler[int]):
     def __init__(
         self,
         sampler: DistributedSampler,
-        start_step: int,
-        steps_per_epoch: int,
         samples_per_step: int,
         counts: np.ndarray | None = None,
+        start_epoch: int = 0,
+        start_offset: int = 0,
     ) -> None:
         self.sampler = sampler
-        self.epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
-        self.skip = step_in_epoch * samples_per_step
+        self.samples_per_step, self.counts = samples_per_step, counts
+        self.global_batch = samples_per_step * sampler.num_replicas
+        self.size = len(sampler.dataset)  # type: ignore[arg-type]
+        self.steps_per_epoch = self.size // self.global_batch
+        if (self.size - start_offset) // self.global_batch == 0:  # the epoch was done: the next one, from its start
+            start_epoch, start_offset = start_epoch + 1, 0
+        self.epoch, self.offset = start_epoch, start_offset
         # Whole optimizer steps only: with micro batches the tail could otherwise hold a partial step's batches.
-        self.limit = steps_per_epoch * samples_per_step
-        self.steps_per_epoch, self.samples_per_step, self.counts = steps_per_epoch, samples_per_step, counts
+        self.limit = self.steps_per_epoch * samples_per_step
+
+    @property
+    def steps_left(self) -> int:
+        """Optimizer steps the next iteration serves (the resumed epoch's rest, or a whole epoch)."""
+        return (self.size - self.offset) // self.global_batch
 
     def set_epoch(self, epoch: int) -> None:
-        """Ignored on purpose: the epoch follows from the step count (see the class docstring)."""
+        """Ignored on purpose: the epoch follows from the position (see the class docstring)."""
 
     def __iter__(self):
-        skip, self.skip = self.skip, 0
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        tokens, global_batch = None, self.samples_per_step * self.sampler.num_replicas
-        if self.counts is not None:  # target tokens of each global batch (= optimizer step) of this epoch
-            tokens = batch_tokens(self.sampler, self.counts, global_batch)[1].tolist()
-        for position, index in enumerate(self.sampler):
-            if position >= self.limit:
-                return
-            if position >= skip:
-                yield index if tokens is None else (index, global_batch, tokens[position // self.samples_per_step])
+        offset, blocks, epoch = self.offset, self.steps_left, self.epoch
+        self.epoch, self.offset = epoch + 1, 0
+        one = DistributedSampler(
+            self.sampler.dataset, 1, 0, shuffle=self.sampler.shuffle, seed=self.sampler.seed, drop_last=True
+        )
+        one.set_epoch(epoch)
+        order = np.fromiter(iter(one), dtype=np.int64, count=self.size)
+        rank, replicas, batch = self.sampler.rank, self.sampler.num_replicas, self.global_batch
+        for k in range(blocks):
+            block = order[offset + k * batch : offset + (k + 1) * batch]
+            if self.counts is None:
+                yield from block[rank::replicas].tolist()
+            else:  # the target tokens of this global batch (= optimizer step), known alike on every rank
+                tokens = int(self.counts[block].sum())
+                for index in block[rank::replicas].tolist():
+                    yield index, batch, tokens
 
     def __len__(self) -> int:
         # The whole epoch, also while the first iteration resumes mid-epoch: Lightning restores how many batches of
         # the epoch were done (its batch progress) and ends the epoch when that count reaches len(loader); a length
         # without the skipped batches ended a resumed epoch that many batches early, on the next epoch's permutation.
+        # After a resume the data module sets that count from the position in samples (the batch may have changed).
         return self.limit
 
 

@@ -34,9 +34,11 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_dist.data import corpus
+from lightning_dist.manifest import DATA_MANIFEST, write_manifest
 
-#: Bumped when what a cache folder holds changes, so older caches are never read as newer ones.
-CACHE_VERSION = 1
+#: Bumped when what a cache folder holds changes, so older caches are never read as newer ones (2: a manifest of its
+#: files, checked before a run reads them: ``lightning_dist/manifest.py``).
+CACHE_VERSION = 2
 #: The target of a token without loss (the default ``ignore_index`` of ``F.cross_entropy``).
 IGNORE_INDEX = -100
 _ROWS = 1 << 16  # windows scanned at a time when finding the windows with a target
@@ -145,6 +147,7 @@ def _write(cfg: Any, files: list[Path], where: str, path: str, work: Path, key: 
     del records, encoded, ids
     shutil.rmtree(work / "datasets", ignore_errors=True)  # the datasets library's Arrow copies: no longer needed
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(work, DATA_MANIFEST)  # each file's size and CRC-32, checked before a run reads the cache
     work.chmod(0o755)  # mkdtemp made it private; a shared cache is read by every user's ranks
 
 

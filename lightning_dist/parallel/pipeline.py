@@ -29,7 +29,7 @@ from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.schedules import SCHEDULES, V_SCHEDULES
 
 # Re-exported (pipeline.check_microbatches, .resolve_schedule: their first home); the schedules' names and rules are
-# plain Python in parallel/schedules.py, which ParallelOptions (and so the launcher) checks without torch.
+# plain Python in parallel/schedules.py, which Parallelism (and so the launcher) checks without torch.
 from lightning_dist.parallel.schedules import check_microbatches as check_microbatches
 from lightning_dist.parallel.schedules import resolve_schedule as resolve_schedule
 

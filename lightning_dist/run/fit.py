@@ -108,7 +108,7 @@ class RunCallbacks:
             every.every_n_steps,
             every.every_n_minutes,
             every.keep_last,
-            run_record(cfg),
+            run_record(cfg, contents=is_global_zero()),  # rank 0 writes the record: it alone reads the data for it
             save_hf=every.save_hf,
         )
         history, preemption, shown = LossHistory(), Preemption(), ShowLayout()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dist import environment
-from lightning_dist._compat import run_atexit_handlers
+from lightning_dist._compat import root_cause, run_atexit_handlers
 from lightning_dist.callbacks import beat_file
 from lightning_dist.errors import LightningDistError, restart_would_repeat
 
@@ -267,7 +267,9 @@ def _start_rank(local_rank: int, *rank_args: Any) -> None:
         _run_rank(local_rank, *rank_args)
     except KeyboardInterrupt:
         pass  # SIGINT: stopped by its parent
-    except Exception:
+    except SystemExit:
+        raise
+    except BaseException:  # an Exception, or torch's BaseException subclasses (DCP's CheckpointException): recorded
         sys.exit(1)
 
 
@@ -300,8 +302,10 @@ def _run_rank(
     try:
         result = fn(*args)
     except BaseException as err:
+        cause = root_cause(err)  # DCP's CheckpointException names the ranks only: the OSError they raised
+        within = f" (in {type(err).__name__}, ranks {sorted(err.failures)})" if cause is not err else ""  # type: ignore[attr-defined]
         record = {
-            "message": f"{type(err).__name__}: {err}".splitlines()[0],
+            "message": f"{type(cause).__name__}: {cause}".splitlines()[0] + within,
             "details": traceback.format_exc(),
             # The class is known here only: the launcher decides a restart by it, not by the message's text.
             "exc_type": f"{type(err).__module__}.{type(err).__qualname__}",

@@ -223,7 +223,8 @@ class CheckpointArtifacts(pl.Callback):
         import wandb  # optional dependency: only a W&B logger gets here
 
         run = self.logger.experiment
-        artifact = wandb.Artifact(f"model-{run.id}", type="model", metadata={"step": trainer.global_step})
+        step = int(path.name.removeprefix("step-")) if path.name.startswith("step-") else trainer.global_step
+        artifact = wandb.Artifact(f"model-{run.id}", type="model", metadata={"step": step})  # published a step later
         if path.is_dir():
             artifact.add_dir(str(path))
         else:

@@ -59,6 +59,7 @@ from lightning_dist.data.config import DataConfig
 from lightning_dist.data.sources import Source, open_source, parse_source
 from lightning_dist.data.tokenizer_training import TOKENIZER_CHARS, train_tokenizer
 from lightning_dist.hub import HUB_STREAM, hub_snapshot, hub_stream, looks_like_hub_id
+from lightning_dist.manifest import DATA_MANIFEST, write_manifest
 
 
 def _source_files(source: str) -> list[Path]:
@@ -244,6 +245,7 @@ def prepare(
     meta: dict[str, Any] = {"tokenizer": tokenizer, "vocab_size": vocab, "token_dtype": np.dtype(dtype).name}
     meta.update(write_splits(out, sources, parts, val_fraction, blend, train_tokens))
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(out, DATA_MANIFEST, ["train.bin", "val.bin", "meta.json"])  # checked before data=tokens reads it
     return meta
 
 

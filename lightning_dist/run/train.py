@@ -27,15 +27,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_dist.checkpoint.folder import complete_checkpoints, pointed
 from lightning_dist.config.cluster_rules import should_submit
-from lightning_dist.config.keys import group_options, hydra_error_line, unknown_option_line
+from lightning_dist.config.keys import group_options, hydra_error_line, search_dirs, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
 from lightning_dist.environment import is_global_zero
-from lightning_dist.errors import PREEMPTED_EXIT_CODE, first_line
+from lightning_dist.errors import PREEMPTED_EXIT_CODE, DivergedError, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
@@ -70,13 +71,7 @@ def main() -> None:
         moved = moved_logger_key(key) if key.startswith("logger.") else None
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
-    searched = any(arg.startswith(("hydra.searchpath", "-cd", "--config-dir")) for arg in sys.argv[1:])
-    for arg in [] if searched else sys.argv[1:]:  # Hydra skips a recipe (an optional group) that does not exist
-        group, _, value = arg.lstrip("+").partition("=")
-        options = group_options(CONF_DIR, group) if group == "recipe" and value and "," not in value else None
-        if options is not None and value not in options and value != "null":
-            print(f"error: {unknown_option_line(group, value, options)}", file=sys.stderr, flush=True)
-            sys.exit(1)
+    _check_recipe(sys.argv[1:])
     full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -91,6 +86,23 @@ def main() -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _check_recipe(args: list[str]) -> None:
+    """Hydra runs the default job when a ``recipe`` (an optional group) is not found: the name is checked against the
+    recipes of every folder on the search path (ours, ``--config-dir``, ``hydra.searchpath``) before Hydra starts."""
+    dirs = search_dirs(args)
+    if dirs is None:  # a search path entry not found here: Hydra will say what it can
+        return
+    for arg in args:
+        group, _, value = arg.lstrip("+").partition("=")
+        if group != "recipe" or not value or value == "null" or "(" in value:  # sweep functions: Hydra's own check
+            continue
+        options = sorted({name for folder in (CONF_DIR, *dirs) for name in group_options(folder, "recipe") or []})
+        for name in value.split(","):  # a sweep over recipes: each of them
+            if name not in options:
+                print(f"error: {unknown_option_line(group, name, options)}", file=sys.stderr, flush=True)
+                sys.exit(1)
 
 
 def _help(args: list[str]) -> None:
@@ -209,7 +221,48 @@ def run(cfg: TrainConfig) -> RunResult:
             if is_global_zero():  # one writer per job
                 _write_report(valid, result)
     _print_summary(result)
+    check_trained(result, cfg.resilience.on_nonfinite)
     return result
+
+
+def check_trained(result: RunResult, on_nonfinite: str) -> None:
+    """Whether a run that went to its end trained a model: not if its last logged ``train/loss`` is NaN or Inf, nor
+    if most of its logged steps had a non-finite gradient norm (``resilience.on_nonfinite=skip`` dropped their updates
+    and went on). A few dropped updates are said in one line, and the run succeeds.
+
+    Raises:
+        DivergedError: One line: what was not finite, on how many steps, where the weights are, and the fix.
+    """
+    losses = [float(r["train/loss"]) for r in result.history if r.get("train/loss") is not None]
+    norms = [
+        (int(r.get("step", 0)), float(r["train/grad_norm"]))
+        for r in result.history
+        if r.get("train/grad_norm") is not None
+    ]
+    dropped = [step for step, norm in norms if not math.isfinite(norm)]
+    bad_losses = sum(1 for loss in losses if not math.isfinite(loss))
+    fix = (
+        "lower optim.lr or raise optim.warmup_steps, or set resilience.on_nonfinite=stop to end at the first such step."
+    )
+    where = result.checkpoint or result.output_dir
+    if losses and not math.isfinite(losses[-1]):
+        raise DivergedError(
+            f"train/loss is {losses[-1]} at the end (step {result.steps}): {bad_losses} of the {len(losses)} logged "
+            f"steps had a non-finite loss, {len(dropped)} a non-finite gradient norm (resilience.on_nonfinite="
+            f"{on_nonfinite}: their updates dropped), so the weights in {where} are not a trained model's; {fix}"
+        )
+    if dropped and 2 * len(dropped) > len(norms):
+        raise DivergedError(
+            f"resilience.on_nonfinite={on_nonfinite} dropped the updates of {len(dropped)} of the {len(norms)} logged "
+            f"steps (a non-finite gradient norm; the last at step {dropped[-1]}), so the run did not train (train/loss "
+            f"{losses[-1] if losses else '-'} at the end) and the weights in {where} are not a trained model's; {fix}"
+        )
+    if dropped:
+        say(
+            f"note: resilience.on_nonfinite={on_nonfinite} dropped the updates of {len(dropped)} of the {len(norms)} "
+            f"logged steps (a non-finite gradient norm; the last at step {dropped[-1]})",
+            err=True,
+        )
 
 
 def _fit(valid: ValidRun) -> RunResult:
@@ -338,7 +391,32 @@ def _report_failure(err: Exception, out_dir: Path) -> None:
     details = getattr(err, "details", "")
     if details:
         message += f"  ({save_traceback(details, out_dir)})"
+    if isinstance(err, OSError) or (isinstance(err, RankFailedError) and not err.will_repeat):
+        message += left_on_disk(out_dir, said=message)  # a full disk, a dead rank: what the run leaves to go on from
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def left_on_disk(out_dir: Path, said: str = "") -> str:
+    """What a failed run leaves that matters for going on: whether its disk is full, its newest whole checkpoint (what
+    ``resume`` continues from) and an incomplete save (never loaded; its space is taken until removed)."""
+    full = ""
+    try:
+        disk = os.statvfs(out_dir)
+        if disk.f_bavail * disk.f_frsize < 1 << 20:  # under 1 MiB: a writer's own error may not say so (torch's zip)
+            why = "" if "No space left on device" in said else "No space left on device: "
+            full = f"; its disk is full ({why}{disk.f_bavail * disk.f_frsize} bytes free)"
+    except OSError:
+        pass
+    checkpoints = out_dir / "checkpoints"
+    if not checkpoints.is_dir():
+        return full
+    published = complete_checkpoints(checkpoints)
+    newest = pointed(checkpoints) or (published[-1] if published else None)
+    left = [f"{newest} (resume={out_dir} continues from it)" if newest else "no whole checkpoint"]
+    partial = sorted(checkpoints.glob(".step-*.partial"))
+    if partial:
+        left.append(f"an incomplete save {partial[-1]} (never loaded: remove it to free its space)")
+    return f"{full}; left on disk: {', '.join(left)}"
 
 
 def save_traceback(details: str, out_dir: Path | None) -> str:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from lightning_dist.checkpoint.export import Checkpoint
 from lightning_dist.checkpoint.export import main as export_main
+from lightning_dist.checkpoint.folder import EXPORT_MARKER
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -166,7 +167,9 @@ def test_the_adapter_is_pushed_to_the_hub_with_a_model_card_from_the_run_s_repor
     assert hub.uploads[0] == {"create": "me/tiny-adapter", "private": True}
     files = hub.uploads[1]["files"]
     assert (
-        set(files) == {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "README.md"}
+        set(files)
+        == {p.name for p in (tmp_path / "adapter").iterdir()} - {EXPORT_MARKER}  # the export's own mark stays home
+        >= {"adapter_model.safetensors", "README.md"}
     )
     assert files["adapter_model.safetensors"] == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
     assert {r["authorization"] for r in hub.requests} == {"Bearer hf_write_token"}

@@ -123,7 +123,8 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_latest(tmp_path:
     assert latest_checkpoint(dirpath) == dirpath / "step-00000003"
     assert complete_checkpoints(dirpath) == [dirpath / "step-00000003"]  # keep_last=1 never removed the only good one
     trainer.global_step = 9
-    saver.save(trainer)  # the next save replaces the leftover partial folder and publishes
+    saver.save(trainer)  # the next save replaces the leftover partial folder
+    saver.wait(trainer)  # and publishes it (as at the end of training)
     assert latest_checkpoint(dirpath) == dirpath / "step-00000009"
     assert complete_checkpoints(dirpath) == [dirpath / "step-00000009"]
 
@@ -218,6 +219,7 @@ def test_saves_by_wall_time_follow_rank_zeros_clock(tmp_path: Path) -> None:
     saver._last_time -= 31  # half a minute later
     trainer.global_step = 2
     saver.on_train_batch_end(trainer, None)
+    saver.on_train_batch_start(trainer, None)  # published at the next step boundary
     assert decisions == [False, True] and saver.last_path == tmp_path / "step-00000002"
     steps_only = RunCheckpoints(tmp_path, every_n_steps=10)
     trainer.global_step = 3

@@ -40,6 +40,22 @@ def test_a_new_run_into_a_folder_holding_a_runs_checkpoints_is_refused(finished:
     assert validate(compose_config([*RUN, f"resume={finished}"])).cfg.output_dir == str(finished)
 
 
+def test_a_new_run_into_a_finished_runs_folder_without_checkpoints_is_refused(tmp_path: Path) -> None:
+    """The probe: a finished run without checkpoints had its metrics.csv and report.json replaced by a new run into
+    its folder, silently."""
+    run = [*FAST, "parallelism=ddp", "cluster.devices=1", "trainer.max_steps=2", "logger=csv"]
+    run_app(run, tmp_path)
+    kept = {name: (tmp_path / name).read_bytes() for name in ("report.json", "csv/metrics.csv")}
+    with pytest.raises(ValueError) as refused:
+        run_app([*run, "seed=7"], tmp_path)
+    assert str(refused.value) == (
+        f"output_dir={tmp_path} already holds another run's results (report.json, csv/metrics.csv) and no checkpoint "
+        "to continue it from; a new run there would replace them: start it in a new folder (output_dir=...), or move "
+        "them away first."
+    )
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+
+
 def test_each_checkpoint_notes_what_defines_its_run(finished: Path) -> None:
     """What the resume check compares against: written by the run itself, equal to its resolved config's record."""
     recorded = run_record_of(finished / "checkpoints" / "step-00000002")
@@ -107,7 +123,9 @@ def test_a_resumed_runs_error_is_logged_in_its_own_folder_and_nothing_strays(
         main()
     assert exited.value.code == 1
     line = capfd.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: rank 0: ") and line.endswith(f"(traceback: {finished / 'error.log'})"), line
+    assert line.startswith("error: rank 0: ") and f"(traceback: {finished / 'error.log'})" in line, line
+    newest = finished / "checkpoints" / "step-00000002"
+    assert line.endswith(f"; left on disk: {newest} (resume={finished} continues from it)"), line  # what to go on from
     assert "nowhere" in (finished / "error.log").read_text()
     assert list(tmp_path.iterdir()) == []
     assert (finished / ".hydra" / "config.yaml").is_file()  # Hydra's record of this start, in the run's folder

@@ -19,7 +19,8 @@ import torch
 
 from lightning_dist.callbacks.checkpoints import RunCheckpoints
 from lightning_dist.checkpoint import store
-from lightning_dist.checkpoint.folder import MANIFEST, crc32_of, merge_parts, parts_written, write_part
+from lightning_dist.checkpoint.folder import MANIFEST, merge_parts, parts_written, write_part
+from lightning_dist.manifest import crc32_of
 
 SHARD, META = "__0_0.distcp", "meta.pt"
 
@@ -39,6 +40,7 @@ def _publish(dirpath: Path, steps: list[int]) -> list[Path]:
     for step in steps:
         trainer.global_step = step
         saver.save(trainer)
+        saver.on_train_batch_start(trainer, None)  # the next step boundary: published
     return [dirpath / f"step-{step:08d}" for step in steps]
 
 

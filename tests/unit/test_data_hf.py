@@ -170,7 +170,7 @@ def test_the_cache_is_written_once_and_keyed_by_the_sources(tmp_path: Path, tok:
     monkeypatch.setattr(corpus, "tokenize", lambda *args, **kwargs: calls.append(1) or tokenize(*args, **kwargs))
     first = hf_datasets(cfg)["train"].folder
     written = {f.name: f.stat().st_mtime_ns for f in first.iterdir()}
-    assert sorted(written) == ["meta.json", "tokens.npy", "windows.npy"]
+    assert sorted(written) == [".manifest.json", "meta.json", "tokens.npy", "windows.npy"]
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name]  # no temporary folder left behind
     assert hf_datasets(cfg)["train"].folder == first and len(calls) == 1  # read, not tokenized again
     datamodule = TokenDataModule(cfg)  # a rank: Lightning's prepare_data, then setup, only open the cache

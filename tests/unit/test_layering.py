@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "parallel_dims": 0,
     "environment": 0,  # where this process runs: launcher, restarts, run folder
     "hub": 0,  # the HuggingFace hub: snapshots and streams, offline-aware
+    "manifest": 0,  # files' sizes and CRC-32s: what the project writes and checks before reading it back
     "parallel": 1,  # model-agnostic parallelism: no Lightning, no model code
     "contract": 2,  # what a LightningModule may offer the strategies
     "models": 2,

@@ -83,3 +83,38 @@ def test_without_flock_the_record_decides(
     holder.wait()
     with hold_run_folder(tmp_path):  # the pid is gone: taken over
         assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+
+
+def test_removing_the_lock_file_never_frees_the_folder_of_a_live_run(tmp_path: Path, holder: subprocess.Popen) -> None:
+    """The probe: the refusal said "If that run is gone, remove .run.lock"; done while the holder lived, a second run
+    took the folder and wrote over the first's. The lock is on the folder now, and the refusal names the holder from
+    the kernel's own table, saying it is running and that removing the file would not stop it."""
+    (tmp_path / LOCK).unlink()
+    with pytest.raises(ValueError) as refused, hold_run_folder(tmp_path):
+        pass
+    assert str(refused.value) == (
+        f"output_dir={tmp_path} is in use by another run (pid {holder.pid}, its {LOCK} record removed); wait for it to "
+        f"end, or start this run in a new folder (output_dir=...). It is running: stop it first (kill {holder.pid} on "
+        f"{socket.gethostname()}) if it must go; removing {LOCK} would not stop it."
+    )
+    holder.kill()
+    holder.wait()
+    with hold_run_folder(tmp_path):  # gone: the folder is free
+        pass
+
+
+def test_only_a_holder_this_host_cannot_check_comes_with_a_removal_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No flock (some NFS / Lustre mounts) and a record from another host: how to check it, and what to remove then."""
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    (tmp_path / LOCK).write_text(json.dumps({"pid": 4242, "host": "node-7", "started": 0.0, "job": None}))
+    with pytest.raises(ValueError) as refused, hold_run_folder(tmp_path):
+        pass
+    assert str(refused.value).endswith(
+        f"This host cannot check it: if it is gone (ssh node-7 ps -p 4242), remove {tmp_path / LOCK}."
+    )

@@ -45,3 +45,43 @@ def test_dict_style_reads_for_compatibility() -> None:
 def test_a_submission_that_did_not_run_here_has_no_steps() -> None:
     submitted = RunResult(output_dir="/runs/b", layout="ddp", job_id="4242")
     assert submitted.steps is None and "steps" not in submitted and not submitted.dry_run and submitted.history == []
+
+
+def test_a_run_that_did_not_train_fails_in_one_line(capfd: pytest.CaptureFixture) -> None:
+    """resilience.on_nonfinite=skip trains on past non-finite steps: ending on a NaN loss, or with most updates
+    dropped, is no trained model; a few dropped updates are said in one line."""
+    from lightning_dist.errors import DivergedError
+    from lightning_dist.run.train import check_trained
+
+    nan = float("nan")
+
+    def run(*steps: tuple[float, float]) -> RunResult:
+        history = [{"step": i + 1, "train/loss": loss, "train/grad_norm": norm} for i, (loss, norm) in enumerate(steps)]
+        return RunResult(output_dir="/runs/a", layout="-", steps=len(steps), history=history, checkpoint="/runs/a/c/s")
+
+    with pytest.raises(DivergedError) as failed:
+        check_trained(run((3.0, 1.0), (nan, nan), (nan, nan)), "skip")
+    assert str(failed.value) == (
+        "train/loss is nan at the end (step 3): 2 of the 3 logged steps had a non-finite loss, 2 a non-finite gradient "
+        "norm (resilience.on_nonfinite=skip: their updates dropped), so the weights in /runs/a/c/s are not a trained "
+        "model's; lower optim.lr or raise optim.warmup_steps, or set resilience.on_nonfinite=stop to end at the first "
+        "such step."
+    )
+    with pytest.raises(DivergedError) as failed:  # the probe's case here: a finite loss, most updates dropped
+        check_trained(run((5.5, 1.0), (5.5, 0.0), (5.5, nan), (5.5, nan), (5.5, nan)), "skip")
+    assert str(failed.value).startswith(
+        "resilience.on_nonfinite=skip dropped the updates of 3 of the 5 logged steps (a non-finite gradient norm; the "
+        "last at step 5), so the run did not train (train/loss 5.5 at the end) and the weights in /runs/a/c/s are not"
+    )
+    capfd.readouterr()
+    check_trained(run((3.0, 1.0), (3.0, nan), (2.0, 1.0), (1.5, 1.0)), "skip")  # one dropped: said, and fine
+    assert (
+        capfd.readouterr()
+        .err.strip()
+        .endswith(
+            "note: resilience.on_nonfinite=skip dropped the updates of 1 of the 4 logged steps (a non-finite gradient "
+            "norm; the last at step 2)"
+        )
+    )
+    check_trained(_result(), "skip")  # a finite loss, no norms logged
+    check_trained(RunResult(output_dir="/runs/b", layout="-", steps=3, train_loss=nan), "skip")  # none logged

@@ -83,8 +83,8 @@ def test_every_rank_knows_each_global_batch_and_its_target_tokens(dp: int) -> No
     def sampler(rank: int, shuffle: bool = True) -> DistributedSampler:
         return DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
 
-    reference = StepSampler(sampler(0) if dp == 1 else DistributedSampler(dataset, 1, 0, True, seed, True), 0, steps,
-                            global_batch, counts)  # fmt: skip
+    one = sampler(0) if dp == 1 else DistributedSampler(dataset, 1, 0, True, seed, True)
+    reference = StepSampler(one, global_batch, counts)
     one_process = list(reference) + list(reference)  # two epochs of one process
     for epoch in (0, 3):
         samplers = [sampler(rank) for rank in range(dp)]
@@ -93,7 +93,8 @@ def test_every_rank_knows_each_global_batch_and_its_target_tokens(dp: int) -> No
             assert list(rank_sampler) == global_order(rank_sampler)[rank::dp].tolist()
         assert len({tuple(global_order(s)) for s in samplers}) == 1  # every rank computes the same order
     for start in (0, 2, steps + 1):  # a fresh run; resumed mid-epoch; resumed in the second epoch
-        streams = [StepSampler(sampler(rank), start, steps, per_rank, counts) for rank in range(dp)]
+        epoch, step = divmod(start, steps)
+        streams = [StepSampler(sampler(rank), per_rank, counts, epoch, step * global_batch) for rank in range(dp)]
         ranks = [list(s) + list(s) for s in streams]
         for s in range(start, 2 * steps):
             block = one_process[s * global_batch : (s + 1) * global_batch]
