@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=8)
     parser.add_argument("--heartbeat", type=float, default=2.0, help="parallelism.replicas.heartbeat_timeout_s")
+    parser.add_argument("--log-every", type=int, default=10, help="trainer.log_every_n_steps")
     args = parser.parse_args()
     run = Path(tempfile.mkdtemp(prefix="replica-recovery-")) / "run"
     command = [
@@ -80,11 +81,13 @@ def main() -> None:
         "checkpoint.every_n_steps=1",
         "checkpoint.keep_last=2",
         "resilience.max_restarts=1",
+        f"trainer.log_every_n_steps={args.log_every}",
         "data.global_batch_size=8",
         "data.seq_len=64",
         f"output_dir={run}",
     ]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = run.parent / "stderr.txt"
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
     seen: dict[int, dict[int, float]] = {0: {}, 1: {}}  # group -> step -> when it was first seen published
     killed_at = None
     while job.poll() is None:
@@ -99,7 +102,7 @@ def main() -> None:
             killed_at, kill_step = time.monotonic(), max(seen[1])
         time.sleep(0.02)
     if job.returncode != 0 or killed_at is None:
-        sys.exit(f"the job failed (rc {job.returncode}): {job.stderr.read()[-2000:] if job.stderr else ''}")
+        sys.exit(f"the job failed (rc {job.returncode}): {log.read_text()[-2000:]}")
     before = sorted(t for s, t in seen[0].items() if t < killed_at)
     after = sorted(t for t in seen[0].values() if t >= killed_at)
     step_s = statistics.median(b - a for a, b in itertools.pairwise(before))
@@ -110,6 +113,7 @@ def main() -> None:
     print(f"group 0: median step {step_s:.2f} s before the kill; longest gap after it {stall:.2f} s")
     print(f"group 1: trained again {back[0] - killed_at:.1f} s after the kill (its step {back[1]}); group 0 trained")
     print(f"  {len(alone)} steps alone in between; both ended at step {max(seen[0])} / {max(seen[1])}")
+    print(f"the job's stderr: {log}")
 
 
 if __name__ == "__main__":

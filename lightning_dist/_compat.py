@@ -428,16 +428,24 @@ def sbatch_script(executor: Any) -> str:
 def training_state(trainer: Any) -> dict[str, Any]:
     """Lightning's checkpoint without the model and optimizer tensors: the loops' progress, the callbacks' and
     datamodule's states, the LR schedulers, the epoch and global step (``_CheckpointConnector._get_loops_state_dict``
-    and ``call._call_callbacks_state_dict`` are private). What a replaced replica group takes from a live peer to
-    resume its loop where the peer's is (:mod:`lightning_dist.strategies.replica_state`)."""
+    and ``call._call_callbacks_state_dict`` are private), taken as a training step starts. What a replaced replica
+    group takes from a live peer to resume its loop where the peer's is
+    (:mod:`lightning_dist.strategies.replica_state`)."""
     import lightning.pytorch as pl
     from lightning.pytorch.trainer import call
 
+    loops = trainer._checkpoint_connector._get_loops_state_dict()
+    # Taken as a step starts (torchft's quorum), before its batch is used: its batch counted as not started, as
+    # after the previous batch's end (Lightning's restart stage "on last"). Left as ready / started, Lightning's
+    # restore would count one more batch stepped than the peer did, and the groups would log on different steps.
+    for scope in loops["fit_loop"]["epoch_loop.batch_progress"].values():
+        if isinstance(scope, dict):
+            scope["ready"] = scope["started"] = scope["processed"] = scope["completed"]
     state = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": pl.__version__,
-        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "loops": loops,
         "callbacks": call._call_callbacks_state_dict(trainer),
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "state_dict": {},

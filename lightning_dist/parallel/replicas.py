@@ -192,14 +192,6 @@ class FaultTolerantReplicas:
             )
         return False
 
-    def mean(self, tensor: Tensor) -> Tensor:
-        """``tensor`` averaged over the groups in the quorum (a logged value: it is read anyway)."""
-        if not torch.is_floating_point(tensor):
-            return tensor
-        out = tensor.detach().clone()
-        self.manager.allreduce(out).wait()
-        return out
-
     @property
     def participants(self) -> int:
         """Replica groups in the current quorum."""

@@ -412,11 +412,10 @@ class MeshStrategy(_compat.BeforeLaunchHook, ModelParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        reduced = self.metrics.reduce(tensor, group, reduce_op, super().reduce)
-        mean = str(reduce_op).lower() in ("mean", "avg", "reduceop.avg")
-        if self._replicas is not None and group is None and mean and isinstance(reduced, torch.Tensor):
-            reduced = self._replicas.mean(reduced)  # a logged value: over the replica groups in the quorum too
-        return reduced
+        # Under torchft a replica group's logged values are its own ranks' (each group logs and reports alone): a
+        # collective over the groups whose count or shape depends on a group's history (the losses pending since
+        # its last logging step) would pair wrongly with a group that joined since.
+        return self.metrics.reduce(tensor, group, reduce_op, super().reduce)
 
     @override
     def on_train_start(self) -> None:
