@@ -103,6 +103,23 @@ def test_lightning_dist_generate_continues_a_prompt_as_transformers_does(
     assert capsys.readouterr().out.count("--- ") == 2
 
 
+def test_two_ranks_evaluating_at_their_last_step_end_together_with_the_report(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """The last step is an evaluation step: evaluated once (after its batch), and no rank waits alone at the end (rank 1
+    used to enter a barrier by itself in on_train_end: rc 1, 'Connection closed by peer', no report)."""
+    common = [o for o in FAST if not o.startswith(("model.", "logger=", "data.", "trainer.max_steps"))]
+    run = run_app([*common, "model=hf", f"model.pretrained={setup['folder']}", "model.lora.rank=4",
+                   "data.vocab_size=300", "data.seq_len=32", "data.global_batch_size=4", "data.num_train_samples=64",
+                   "trainer.max_steps=2", "parallelism=fsdp", "cluster.devices=2", "logger=csv",
+                   "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2", "checkpoint.save_hf=true",
+                   "eval.tasks=[tiny_sums]", "eval.every_n_steps=2", f"eval.include_path={setup['tasks']}",
+                   "eval.limit=4"], tmp_path / "run")  # fmt: skip
+    assert run["steps"] == 2 and (tmp_path / "run" / "report.json").is_file()
+    rows = [row for f in (tmp_path / "run").rglob("metrics.csv") for row in csv.DictReader(f.open())]
+    assert [int(row["step"]) for row in rows if row.get("eval/tiny_sums/acc")] == [2]
+
+
 def test_a_lora_run_is_evaluated_during_training_and_generates_from_its_folder(
     setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
