@@ -24,7 +24,7 @@ from hydra.utils import get_class
 
 from lightning_dist import environment
 from lightning_dist.config import cluster_rules
-from lightning_dist.config.finetune import check_finetune
+from lightning_dist.config.finetune import check_finetune, replicate_on_the_mesh
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -66,8 +66,9 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
 
     Resolved: ``model.pretrained`` (a hub id into its cached folder, which ``init_from`` then names),
     ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
-    an external restart into ``output_dir`` and ``ckpt_path``, and how each rank's batch is split
-    (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.microbatches``).
+    an external restart into ``output_dir`` and ``ckpt_path``, ``parallelism=ddp`` for a run that needs a checkpoint
+    folder (``checkpoint.save_hf``, QLoRA) into the mesh's replication (one line says so), and how each rank's batch is
+    split (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.microbatches``).
 
     Raises:
         ValueError: One line naming the value and the fix.
@@ -99,6 +100,9 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
         cluster_rules.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
     elif not one_rank_here:
         cluster_rules.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    replaced = replicate_on_the_mesh(cfg)  # save_hf / QLoRA need a checkpoint folder, which DDP does not write
+    if replaced is not None and environment.is_global_zero():  # one line per job (under torchrun every rank checks)
+        print(replaced, file=sys.stderr, flush=True)
     check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
