@@ -57,7 +57,8 @@ def evaluate(
         results: Filled with lm-eval's whole result (samples left out), for a caller that writes it.
 
     Raises:
-        ValueError: A task lm-eval does not know (one line naming it and the include path).
+        ValueError: A task lm-eval does not know (one line naming it and the include path), or a task whose data
+            cannot be loaded (no network: one line).
     """
     import lm_eval  # optional dependency: lightning-dist[eval]
     from lm_eval.tasks import TaskManager
@@ -74,15 +75,22 @@ def evaluate(
     # past its tokenizer's (Qwen, Llama-style rounding) changes every log-likelihood.
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer = load_hf_model(model, device, dtype)
-    out = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size),
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-    )
+    try:
+        out = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size),
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+        )
+    except OSError as err:  # datasets' ConnectionError / DatasetNotFoundError, huggingface_hub's HTTP errors
+        raise ValueError(
+            f"the data of {' '.join(tasks)} could not be loaded ({first_line(err)}); without network, evaluate on "
+            "tasks whose data is local (a task YAML with dataset_path: json in --include-path / eval.include_path) "
+            "or on a datasets cache filled beforehand."
+        ) from err
     if results is not None:
         results.update({k: v for k, v in out.items() if k != "samples"})
     return metrics_of(out["results"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ class HFModel:
     adapter: Path | None = None
     temporary: Path | None = None
     """A folder exported for this load; the caller removes it (:meth:`cleanup`)."""
+    checkpoint: Path | None = None
+    """The checkpoint it comes from (a run's or checkpoint's model); ``None`` for a HuggingFace / adapter folder."""
 
     def cleanup(self) -> None:
         if self.temporary is not None:
@@ -59,7 +61,7 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
     ckpt = Checkpoint(path)  # a run folder's newest checkpoint, verified
     written = ckpt.path / HF_FOLDER
     if written.is_dir():
-        return resolve_hf_model(written, base)
+        return replace(resolve_hf_model(written, base), checkpoint=ckpt.path)
     tmp = Path(tempfile.mkdtemp(prefix="lightning-dist-hf-"))
     out = tmp / "model"
     lora = lora_of(ckpt.hyper_parameters)
@@ -67,12 +69,12 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
         export_adapter(ckpt, lora, out)
     else:
         export_hf(ckpt, out)
-        return HFModel(out, temporary=tmp)
+        return HFModel(out, temporary=tmp, checkpoint=ckpt.path)
     source = ckpt.hyper_parameters.get("hf_source")
     if source:
         copy_tokenizer_files(Path(source), out)
     try:
-        return HFModel(_adapter_base(out, base), adapter=out, temporary=tmp)
+        return HFModel(_adapter_base(out, base), adapter=out, temporary=tmp, checkpoint=ckpt.path)
     except ValueError:
         HFModel(out, temporary=tmp).cleanup()
         raise
