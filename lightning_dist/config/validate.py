@@ -311,6 +311,10 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     # once, so the ranks only open the cache.
     datamodule = TokenDataModule(data, seed=cfg.seed)
     datamodule.setup()
+    if not data.streaming:  # a batch to train on, a sample for each rank to validate (else found on the ranks)
+        datamodule.check_split_size("train", dims.dp_size)
+    if cfg.trainer.limit_val_batches != 0 and (not data.streaming or data.val_path is not None):
+        datamodule.check_split_size("val", dims.dp_size)
     if data.kind == "tokens":
         for split in ("train", "val"):
             dataset = datamodule.dataset(split)

@@ -23,7 +23,13 @@ Examples::
     lightning-dist-prepare web/*.parquet HuggingFaceFW/fineweb-edu --weights 1 3 \\
         --tokenizer meta-llama/Llama-3.1-8B out/
     lightning-dist-train cluster=gpu model=llama_1b data=tokens data.path=out/ data.token_dtype=uint32 \\
-        model.vocab_size=128256
+        data.vocab_size=128256 model.vocab_size=128256 data.seq_len=2048
+
+It ends by printing the ``lightning-dist-train`` command that trains on OUT as it is (its vocabulary, element type
+and ``--seq-len`` windows). The splits are sized for it before anything is written: a batch of training windows and
+a validation window for each process of the default layout; ``--seq-len`` and ``--val-fraction``, when not given,
+are chosen to fit a small corpus (one line says so), and given values that do not fit are refused in one line
+naming what would.
 """
 
 from __future__ import annotations
@@ -31,17 +37,31 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
+from lightning_dist.config.schema import CONF_DIR
 from lightning_dist.data import corpus
 from lightning_dist.data.config import DataConfig
 from lightning_dist.hub import hub_snapshot, looks_like_hub_id
+from lightning_dist.models.gpt_config import GPTConfig
+
+#: The part of each source held out for validation when ``--val-fraction`` is not given (nanoGPT's share), raised
+#: for a small corpus to :data:`VAL_WINDOWS` windows.
+VAL_FRACTION = 0.0005
+#: The windows ``--seq-len`` tries when not given, longest first: the default model's context, then halves.
+SEQ_LENS = tuple(GPTConfig().max_seq_len >> i for i in range(6))
+#: What the printed command needs on the default config: a batch of windows (conf/data/tokens.yaml), and a
+#: validation window for each process of the default layout (conf/cluster/local_cpu.yaml).
+TRAIN_WINDOWS = int(OmegaConf.load(CONF_DIR / "data" / "tokens.yaml").global_batch_size)
+VAL_WINDOWS = int(OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml").devices)
 
 
 def _source_files(source: str) -> list[Path]:
@@ -92,20 +112,25 @@ def prepare(
     out: Path,
     tokenizer: str,
     weights: list[float] | None = None,
-    val_fraction: float = 0.0005,
+    val_fraction: float | None = VAL_FRACTION,
     num_proc: int | None = None,
     text_field: str = "text",
+    seq_len: int | None = None,
+    sized: bool = False,
 ) -> dict[str, Any]:
     """Write ``out/train.bin``, ``out/val.bin`` and ``out/meta.json`` (module docstring); returns the meta.
 
+    ``sized``: the splits are checked for the printed command (:func:`size_splits`: ``val_fraction`` and ``seq_len``
+    ``None`` are chosen there) before ``train.bin`` and ``val.bin`` are written; the meta's ``seq_len`` is the window.
+
     Raises:
         ValueError: Weights not one per source or not positive, a fraction outside [0, 1), a source or tokenizer
-            that cannot be read (one line each).
+            that cannot be read, splits too short for the printed command (one line each).
     """
     weights = list(weights) if weights else [1.0] * len(sources)
     if len(weights) != len(sources) or any(w <= 0 for w in weights):
         raise ValueError(f"--weights {weights}: give one positive weight per source ({len(sources)} sources).")
-    if not 0 <= val_fraction < 1:
+    if val_fraction is not None and not 0 <= val_fraction < 1:
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1).")
     folder = _tokenizer_folder(tokenizer)
     data = replace(DataConfig(kind="hf", tokenizer=folder), num_proc=num_proc, text_field=text_field)
@@ -120,6 +145,10 @@ def prepare(
         "token_dtype": np.dtype(dtype).name,
         "sources": [],
     }
+    if sized:
+        splits = size_splits([len(tokens) for tokens in parts], weights, val_fraction, seq_len)
+        val_fraction, meta["seq_len"] = splits.val_fraction, splits.seq_len
+    val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
     with (out / "train.bin.partial").open("wb") as train, (out / "val.bin.partial").open("wb") as val:
         for source, weight, tokens in zip(sources, weights, parts):
             held = int(len(tokens) * val_fraction)
@@ -143,16 +172,88 @@ def prepare(
     return meta
 
 
+@dataclass(frozen=True)
+class Splits:
+    """The validation fraction and the window (``data.seq_len``) a prepared corpus is written for."""
+
+    val_fraction: float
+    seq_len: int
+
+
+def size_splits(tokens: list[int], weights: list[float], val_fraction: float | None, seq_len: int | None) -> Splits:
+    """The splits that the printed command trains on as pasted (the default config: a batch of
+    :data:`TRAIN_WINDOWS` windows, validation on each of :data:`VAL_WINDOWS` processes), for sources of ``tokens``
+    tokens given these ``weights``. ``val_fraction`` / ``seq_len`` ``None``: :data:`VAL_FRACTION` raised, and the
+    longest of :data:`SEQ_LENS`, that fit (one line says what was chosen).
+
+    Raises:
+        ValueError: A split too short at the given values (one line naming the value that would do).
+    """
+    total = sum(tokens)
+    for length in [seq_len] if seq_len is not None else SEQ_LENS:
+        window = length + 1
+        fraction = val_fraction
+        if fraction is None:  # one validation window per process: (windows + one token lost per source) of all
+            fraction = max(VAL_FRACTION, _round_up((VAL_WINDOWS * window + len(tokens)) / total))
+        held = sum(int(n * fraction) for n in tokens)
+        train = sum(int((n - int(n * fraction)) * w) for n, w in zip(tokens, weights))
+        if held // window >= VAL_WINDOWS and train // window >= TRAIN_WINDOWS and fraction < 1:
+            if (fraction, length) != (val_fraction, seq_len):
+                print(f"sized for {total:,} tokens: --seq-len {length} --val-fraction {fraction:g}", flush=True)
+            return Splits(fraction, length)
+    if held // window < VAL_WINDOWS and val_fraction is not None and seq_len is not None:
+        needed = _round_up((VAL_WINDOWS * window + len(tokens)) / total)
+        raise ValueError(
+            f"--val-fraction {val_fraction:g} holds out {held:,} of {total:,} tokens, fewer than {VAL_WINDOWS} "
+            f"windows of --seq-len {length} ({window} tokens; one per process of the default layout) for validation; "
+            f"use --val-fraction {needed:g}, or a smaller --seq-len."
+        )
+    raise ValueError(
+        f"the corpus holds {total:,} tokens: fewer than {TRAIN_WINDOWS} training windows (data=tokens' batch) and "
+        f"{VAL_WINDOWS} validation windows of --seq-len {length} ({window} tokens each); "
+        + ("lower --seq-len, or give more text." if seq_len is not None else "give more text.")
+    )
+
+
+def _round_up(fraction: float) -> float:
+    """``fraction`` rounded up to two significant digits (0.03012 -> 0.031)."""
+    digits = max(0, -math.floor(math.log10(fraction)) + 1)
+    return math.ceil(fraction * 10**digits) / 10**digits
+
+
+def train_command(out: str, meta: dict[str, Any], seq_len: int) -> str:
+    """The ``lightning-dist-train`` command that trains on ``out`` as it is: its vocabulary for the data and the model,
+    its element type, and windows of ``seq_len`` (the model's context raised to it when the default model's is
+    shorter)."""
+    vocab = meta["vocab_size"]
+    command = (
+        f"lightning-dist-train data=tokens data.path={out} data.token_dtype={meta['token_dtype']} "
+        f"data.vocab_size={vocab} model.vocab_size={vocab} data.seq_len={seq_len}"
+    )
+    return command + (f" model.max_seq_len={seq_len}" if seq_len > GPTConfig().max_seq_len else "")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-dist-prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", metavar="SOURCE", help="files, a folder, a glob, or a hub dataset id")
     parser.add_argument("out", metavar="OUT", help="the folder data=tokens reads (data.path=OUT)")
     parser.add_argument("--tokenizer", required=True, help="a tokenizer (or model) folder, or a hub model id")
     parser.add_argument("--weights", nargs="+", type=float, help="each source's share: its tokens this many times")
-    parser.add_argument("--val-fraction", type=float, default=0.0005, help="each source's last tokens held out")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        help=f"each source's last tokens held out (default {VAL_FRACTION:g}, or {VAL_WINDOWS} windows if more)",
+    )
     parser.add_argument("--num-proc", type=int, help="tokenizing processes (default min(8, CPU count))")
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"the window the printed command trains with (data.seq_len; default {SEQ_LENS[0]}, or less to fit)",
+    )
     args = parser.parse_args(argv)
+    if args.seq_len is not None and args.seq_len < 1:
+        sys.exit(f"lightning-dist-prepare: --seq-len {args.seq_len} must be >= 1.")
     try:
         meta = prepare(
             args.sources,
@@ -162,14 +263,15 @@ def main(argv: list[str] | None = None) -> None:
             args.val_fraction,
             args.num_proc,
             args.text_field,
+            args.seq_len,
+            sized=True,
         )
     except ValueError as err:
         sys.exit(f"lightning-dist-prepare: {err}")
     train = sum(s["train_tokens"] for s in meta["sources"])
-    print(
-        f"{args.out}: {train:,} train tokens; data=tokens data.path={args.out} "
-        f"data.token_dtype={meta['token_dtype']} model.vocab_size={meta['vocab_size']}"
-    )
+    val = sum(s["val_tokens"] for s in meta["sources"])
+    print(f"{args.out}: {train:,} train tokens, {val:,} validation tokens; train on them with:")
+    print(train_command(args.out, meta, meta["seq_len"]))
 
 
 if __name__ == "__main__":
