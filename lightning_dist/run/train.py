@@ -188,7 +188,7 @@ def run(cfg: TrainConfig) -> RunResult:
     if should_submit(cfg.cluster):  # on the login node
         result = slurm.submit(cfg, valid.layout, run)
         if result.steps is not None:  # submitit's local executor ran it here
-            _print_summary(result)
+            _print_summary(result, cfg)
         return result
     # One job per run folder: held by the launcher (ours) or rank 0 (torchrun / srun), released however this ends.
     with hold_run_folder(out_dir) if is_global_zero() else nullcontext():
@@ -203,7 +203,7 @@ def run(cfg: TrainConfig) -> RunResult:
         result.wall_time_s = time.perf_counter() - start
         if is_global_zero():  # one writer per job
             _write_report(valid, result)
-    _print_summary(result)
+    _print_summary(result, cfg)
     return result
 
 
@@ -290,7 +290,7 @@ def _check_writable(folder: Path, what: str = "") -> None:
         raise ValueError(f"{where} is not writable ({err.strerror}); choose another with output_dir=...") from None
 
 
-def _print_summary(result: RunResult) -> None:
+def _print_summary(result: RunResult, cfg: TrainConfig) -> None:
     """What ran and where everything went: the run folder, its report, checkpoint, log file and each logger's files."""
     if not is_global_zero():
         return
@@ -301,7 +301,9 @@ def _print_summary(result: RunResult) -> None:
         f"layout        : {result.layout}",
         f"steps         : {result.steps} in {result.wall_time_s:.1f} s",
         f"train/loss    : {result.train_loss:.4f}",
-        f"val/loss      : {result.val_loss:.4f}" if result.val_loss is not None else "val/loss      : -",
+        f"val/loss      : {result.val_loss:.4f}"
+        if result.val_loss is not None
+        else f"val/loss      : - ({no_val(cfg, result)})",
     ]
     if floor is not None:
         lines.append(f"loss floor    : {floor:.4f} nats/token (entropy rate of the synthetic corpus)")
@@ -316,6 +318,19 @@ def _print_summary(result: RunResult) -> None:
     for name, where in result.logs.items():
         lines.append(f"{name:<14}: {where}")
     say("\n".join(lines))
+
+
+def no_val(cfg: TrainConfig, result: RunResult) -> str:
+    """Why a run has no ``val/loss``, in the summary's words."""
+    trainer, data = cfg.trainer, cfg.data
+    if trainer.limit_val_batches == 0:
+        return "validation off: trainer.limit_val_batches=0"
+    if getattr(data, "streaming", False) and getattr(data, "val_path", None) is None:
+        return "no validation data: data.streaming=true reads it from data.val_path"
+    every = trainer.val_check_interval
+    if isinstance(every, int) and result.steps is not None and result.steps < every:
+        return f"no validation ran: it runs every trainer.val_check_interval={every} steps; the run took {result.steps}"
+    return "no validation ran"
 
 
 def _fail(err: Exception, out_dir: Path) -> None:
