@@ -126,7 +126,7 @@ class PlanConfig:
     """``lightning-dist-plan``: which layouts to search and how to show them."""
 
     top: int = 10
-    """Layouts shown (the best by tokens/s per device among those that fit)."""
+    """Layouts shown in each group, synchronous then DiLoCo (the best by tokens/s per device among those that fit)."""
     format: str = "table"
     """table (rich, on the terminal) or json (every layout searched, one object each)."""
     micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4])

@@ -39,7 +39,7 @@ from lightning_dist.errors import PREEMPTED_EXIT_CODE, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
-from lightning_dist.run.help import help_text
+from lightning_dist.run.help import answer_help
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.lock import hold_run_folder
 from lightning_dist.run.result import RunResult
@@ -93,17 +93,8 @@ def main() -> None:
 
 
 def _help(args: list[str]) -> None:
-    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours, from the schema's docstrings (Hydra's own is
-    ``--hydra-help``). Exits 0, or 2 naming the closest topics for one that does not exist."""
-    flag = next(i for i, arg in enumerate(args) if arg in ("--help", "-h"))
-    after = args[flag + 1] if flag + 1 < len(args) else ""
-    topic = after if after and not after.startswith("-") and "=" not in after else None
-    text, found = help_text(topic, [arg for arg in args if "=" in arg and not arg.startswith("-")])
-    try:
-        print(text, file=sys.stdout if found else sys.stderr, flush=True)
-    except BrokenPipeError:  # `--help | head`: the reader has gone
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(0 if found else 2)
+    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours (:func:`~lightning_dist.run.help.answer_help`)."""
+    answer_help(args)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

@@ -58,6 +58,7 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     "lightning_dist.run.cluster": ("lightning.pytorch", "lightning.pytorch.plugins.environments"),  # in a rank
     "lightning_dist.run.entry": (  # each console script, once the app's packages are known to be installed
         "lightning_dist.plan.cli",
+        "lightning_dist.run.help",
         "lightning_dist.run.reproduce",
         "lightning_dist.run.train",
         "lightning_dist.telemetry.report",
