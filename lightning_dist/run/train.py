@@ -31,6 +31,7 @@ from lightning_dist.config.cluster_rules import should_submit
 from lightning_dist.config.keys import group_options, hydra_error_line, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
+from lightning_dist.config.resumed import with_run_overrides
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
@@ -69,6 +70,7 @@ def main() -> None:
         moved = moved_logger_key(key) if key.startswith("logger.") else None
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
+    _compose_with_the_runs_overrides()
     searched = any(arg.startswith(("hydra.searchpath", "-cd", "--config-dir")) for arg in sys.argv[1:])
     for arg in [] if searched else sys.argv[1:]:  # Hydra skips a recipe (an optional group) that does not exist
         group, _, value = arg.lstrip("+").partition("=")
@@ -90,6 +92,18 @@ def main() -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _compose_with_the_runs_overrides() -> None:
+    """``resume=<run>``: the run's own overrides before the command line's (:mod:`lightning_dist.config.resumed`),
+    in ``sys.argv`` where Hydra reads them, said in one line."""
+    given = sys.argv[1:]
+    args = with_run_overrides(given)
+    if args != given:
+        sys.argv[1:] = args
+        if is_global_zero():
+            theirs = [arg for arg in args if arg not in given]
+            print(f"resume: the run's own overrides first: {' '.join(theirs)}", file=sys.stderr, flush=True)
 
 
 def _help(args: list[str]) -> None:
