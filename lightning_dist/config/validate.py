@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from hydra.utils import get_class
 
@@ -313,7 +314,7 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     datamodule.setup()
     if not data.streaming:  # a batch to train on, a sample for each rank to validate (else found on the ranks)
         datamodule.check_split_size("train", dims.dp_size)
-    if cfg.trainer.limit_val_batches != 0 and (not data.streaming or data.val_path is not None):
+    if _validates(cfg.trainer) and (not data.streaming or data.val_path is not None):
         datamodule.check_split_size("val", dims.dp_size)
     if data.kind == "tokens":
         for split in ("train", "val"):
@@ -325,6 +326,15 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
                     f"data.vocab_size (and model.vocab_size) above {largest}, or check data.token_dtype."
                 )
     return per_rank_batch
+
+
+def _validates(trainer: Any) -> bool:
+    """Whether Lightning will read the validation data: a sanity check, or a validation before the run ends."""
+    if trainer.limit_val_batches == 0:
+        return False
+    every = trainer.val_check_interval
+    never = isinstance(every, int) and 0 < trainer.max_steps < every and not trainer.fast_dev_run
+    return trainer.num_sanity_val_steps != 0 or not never
 
 
 def _check_tokenizer(cfg: TrainConfig, vocab: int | None) -> None:
