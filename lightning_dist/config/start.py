@@ -85,7 +85,13 @@ def check_unchanged(cfg: TrainConfig, label: str) -> None:
         for key in sorted(set(recorded) | set(now))
         if recorded.get(key) != now.get(key) and key not in _SCHEDULE_KEYS
     ]
-    schedule = schedule_change(recorded, now, step_of(path), path)
+    step = step_of(path)
+    if step is not None and 0 < cfg.trainer.max_steps <= step:
+        note(
+            f"note: {label}: checkpoint step {step} is this run's end (trainer.max_steps={cfg.trainer.max_steps}): "
+            "nothing is left to train; raise trainer.max_steps to train longer"
+        )
+    schedule = schedule_change(recorded, now, step, path)
     changes += [schedule] if schedule is not None else []
     if not changes:
         return

@@ -305,7 +305,11 @@ def _print_summary(result: RunResult, cfg: TrainConfig) -> None:
         f"run directory : {result.output_dir}",
         f"layout        : {result.layout}",
         f"steps         : {result.steps} in {result.wall_time_s:.1f} s",
-        f"train/loss    : {result.train_loss:.4f}",
+        f"train/loss    : {result.train_loss:.4f}"
+        if any("train/loss" in record for record in result.history)
+        or result.train_loss is None
+        or not math.isnan(result.train_loss)
+        else "train/loss    : - (no step trained or logged in this start)",
         f"val/loss      : {result.val_loss:.4f}"
         if result.val_loss is not None
         else f"val/loss      : - ({no_val(cfg, result)})",

@@ -77,3 +77,6 @@ def test_resume_alone_continues_an_hf_lora_run_and_one_override_trains_it_longer
     assert [first[1], first[2]] == pytest.approx([whole[1], whole[2]], rel=1e-6)
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
     assert resumed == pytest.approx({step: whole[step] for step in range(3, 9)}, rel=1e-6)
+    # Once more, alone: the run is at its end, and says so (its summary had read "train/loss : nan").
+    err = _train([f"resume={run}"], monkeypatch, capfd)
+    assert "checkpoint step 8 is this run's end (trainer.max_steps=8): nothing is left to train" in err

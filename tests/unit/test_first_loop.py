@@ -119,3 +119,14 @@ def test_the_install_pages_extras_are_pyprojects_and_the_dockerfiles() -> None:
     assert _names(extras["dev"]) == set().union(*rows.values()) | (dev - {"every extra above"})
     dockerfile = re.search(r"^ARG EXTRAS=(\S+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
     assert f"installs the package with `{dockerfile}`" in " ".join(page.split())
+
+
+def test_the_summary_of_a_start_that_trained_nothing_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``resume=<run>`` of a finished run trains no step: its summary said ``train/loss : nan``."""
+    nothing = RunResult(output_dir=str(tmp_path), layout="ddp", steps=40, train_loss=float("nan"), wall_time_s=1.0)
+    _print_summary(nothing, compose_config(FAST))
+    assert "train/loss    : - (no step trained or logged in this start)\n" in capsys.readouterr().out
+    diverged = RunResult(output_dir=str(tmp_path), layout="ddp", steps=4, train_loss=float("nan"), wall_time_s=1.0,
+                         history=[{"step": 4, "train/loss": float("nan")}])  # fmt: skip
+    _print_summary(diverged, compose_config(FAST))
+    assert "train/loss    : nan\n" in capsys.readouterr().out  # a loss that was logged is shown as it was
