@@ -4,7 +4,7 @@
 parallelism, loss parallel), each block compiled in place with ``fullgraph=True`` (and without: the same). The eager
 step runs; the compiled one fails in DTensor's redistribute backward with ``AttributeError: 'Tensor' object has no
 attribute '_local_tensor'`` (a gradient arrives as a plain Tensor; cf. pytorch/pytorch#173123). While it does,
-``ParallelOptions.check`` refuses ``compile=true`` with ``tp > 1`` in one line (``parallel/options.py``).
+``Parallelism.check`` refuses ``compile=true`` with ``tp > 1`` in one line (``parallel/options.py``).
 """
 
 from __future__ import annotations

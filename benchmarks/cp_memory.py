@@ -41,10 +41,10 @@ def planned(cfg) -> int:
     """The planner's bytes kept for the backward by one rank: its activations, and of the loss head the fp32
     log-softmax (4 bytes per logit; the planner's ``LOGIT_BYTES`` also counts the bf16 logits and their fp32 copy,
     alive at the loss's peak but not kept for the backward, which saved-tensor hooks do not see)."""
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.memory import LOGIT_BYTES, estimate_memory
 
-    found = estimate_memory(cfg.model, build_parallel_dims(cfg), options_of(cfg), local_params=0,
+    found = estimate_memory(cfg.model, build_parallel_dims(cfg), cfg.parallelism, local_params=0,
                             seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size)  # fmt: skip
     return found.activations + found.logits * 4 // LOGIT_BYTES
 

@@ -13,7 +13,7 @@ import torch
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.loss import chunked_token_loss, token_loss
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.measure import PeakBytes, SavedBytes
 from lightning_dist.plan.memory import estimate_memory
@@ -51,7 +51,7 @@ def main() -> None:
         (whole, saved), (half, _) = step(VOCAB, chunks), step(VOCAB // 2, chunks)
         copy = VOCAB // 2 * WIDTH * 2 * 2  # autocast's bf16 head copy grows by V/2 rows; doubled with the rest
         measured = 2 * (whole - half) - copy
-        planned = estimate_memory(config(VOCAB), ParallelDims(1), ParallelOptions(loss_chunks=chunks), local_params=0,
+        planned = estimate_memory(config(VOCAB), ParallelDims(1), Parallelism(loss_chunks=chunks), local_params=0,
                                   seq_len=SEQ, micro_batch=BATCH).logits  # fmt: skip
         rows.append(f"| {chunks} | {whole / MIB:,.1f} | {measured / MIB:,.1f} | {planned / MIB:,.1f} | "
                     f"{measured / planned:.2f} | {saved / MIB:,.1f} |")  # fmt: skip

@@ -30,12 +30,12 @@ LAYOUTS = {
     "one": ["parallelism=fsdp", "cluster.devices=1"],
     "fsdp2": ["parallelism=fsdp", "cluster.devices=2"],
     "tp2": ["parallelism=tp", "cluster.devices=2"],
-    "pp2": ["parallelism=pp", "cluster.devices=2", "parallelism.microbatches=4"],
+    "pp2": ["parallelism=pp", "cluster.devices=2", "parallelism.pipeline.microbatches=4"],
 }
 AC = {
     "none": [],
-    "op": ["parallelism.activation_checkpointing=selective"],
-    "full": ["parallelism.activation_checkpointing=full"],
+    "op": ["parallelism.activation_checkpointing.mode=selective"],
+    "full": ["parallelism.activation_checkpointing.mode=full"],
 }
 MODEL = [
     "model.d_model=512",

@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="also trace the step's peak memory (MemTracker)")
     args = parser.parse_args()
     cfg = compose_config(OVERRIDES)
-    layout = Layout.of(1, 8, dp_shard=32, tp=8, activation_checkpointing="full")
+    layout = Layout.of(1, 8, dp_shard=32, tp=8, activation_checkpointing={"mode": "full"})
     start = time.perf_counter()
     traced = trace_rank(apply_layout(cfg, layout), 0, step=True, memory=args.memory)
     seconds = time.perf_counter() - start

@@ -241,9 +241,9 @@ def run_plain(valid: Any, layout: str) -> RankResult:
         if not last:
             model.norm, model.head = None, None
         stage = PipelineStage(model, rank, world, torch.device("cpu"), group=dist.group.WORLD)
-        # The schedule and microbatch count the app resolved from the config (its ParallelOptions).
-        schedule_cls = get_schedule_class(valid.options.schedule)
-        microbatches = valid.options.num_microbatches(world)
+        # The schedule and microbatch count the app resolved from the config (its parallelism options).
+        schedule_cls = get_schedule_class(valid.parallelism.pipeline.schedule)
+        microbatches = valid.parallelism.pipeline.num_microbatches(world)
         schedule = schedule_cls(stage, n_microbatches=microbatches, loss_fn=token_loss, scale_grads=True)
     opt = adamw_with_schedule(model.named_parameters(), cfg.optim, lambda name, p: "emb" in name, cfg.trainer.max_steps)
     optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]

@@ -179,18 +179,15 @@ def run_atexit_handlers() -> None:
 
 # ------------------------------------------------------------------------------------------- Lightning strategies
 class BeforeLaunchHook:
-    """Mixin for a Lightning strategy: ``before_launch()`` runs once the number of processes is known, before any
-    process is launched (so a bad layout fails once, in the launching process).
+    """Base of a Lightning strategy whose ``before_launch()`` (its own method) runs once the number of processes is
+    known, before any process is launched (so a bad layout fails once, in the launching process).
 
     Lightning has no public hook there; ``Strategy._configure_launcher`` (private) is where the accelerator connector
     hands the strategy its devices and asks for a launcher.
     """
 
-    def before_launch(self) -> None:
-        """Override: checks that need the number of processes."""
-
     def _configure_launcher(self) -> None:
-        self.before_launch()
+        self.before_launch()  # type: ignore[attr-defined]
         super()._configure_launcher()  # type: ignore[misc]
 
 
@@ -225,10 +222,12 @@ def init_after_torchrun_restart(strategy: Any) -> None:
 
 
 def set_device_mesh(strategy: Any, module: Any, mesh: DeviceMesh) -> None:
-    """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` and ``LightningModule.device_mesh``.
+    """Publish ``mesh`` where Lightning reads it: ``strategy.device_mesh`` (``strategy=None``: no strategy, a traced
+    rank) and ``LightningModule.device_mesh``.
 
     Both are read-only views of private attributes ``ModelParallelStrategy.setup_environment`` sets to its own mesh."""
-    strategy._device_mesh = mesh
+    if strategy is not None:
+        strategy._device_mesh = mesh
     module._device_mesh = mesh
 
 
@@ -398,3 +397,27 @@ def slurm_executor_anywhere(folder: Any) -> Any:
 def sbatch_script(executor: Any) -> str:
     """The sbatch script submitit would submit (``SlurmExecutor._make_submission_file_text``, private)."""
     return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
+def training_state(trainer: Any) -> dict[str, Any]:
+    """Lightning's checkpoint without the model and optimizer tensors: the loops' progress, the callbacks' and
+    datamodule's states, the LR schedulers, the epoch and global step (``_CheckpointConnector._get_loops_state_dict``
+    and ``call._call_callbacks_state_dict`` are private). What a replaced replica group takes from a live peer to
+    resume its loop where the peer's is (:mod:`lightning_dist.strategies.replica_state`)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer import call
+
+    state = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": pl.__version__,
+        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "callbacks": call._call_callbacks_state_dict(trainer),
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "state_dict": {},
+        "optimizer_states": [],
+    }
+    datamodule = trainer.datamodule
+    if datamodule is not None:
+        state[type(datamodule).__qualname__] = datamodule.state_dict()
+    return state

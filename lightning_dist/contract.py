@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import get_protocol_members
 
 from lightning_dist._compat import module_children
 from lightning_dist.parallel.context import ContextParallelSpec
 from lightning_dist.parallel.data import repeated_blocks
+from lightning_dist.parallel.declared import Declared
 from lightning_dist.parallel.expert import ExpertParallelSpec, check_expert_parallel
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel.pipeline import PipelineSpec
+from lightning_dist.parallel.pipeline_stages import PipelineStages
 from lightning_dist.parallel.tensor import TensorParallelPlan
-
-if TYPE_CHECKING:
-    from lightning_dist.parallel_dims import ParallelDims
-    from lightning_dist.strategies.stages import PipelineStages
+from lightning_dist.parallel_dims import ParallelDims
 
 
 @runtime_checkable
@@ -171,18 +171,44 @@ def declared_unsharded(module: Any) -> list[nn.Parameter]:
     return params
 
 
-def declared_tp_plan(module: Any, tp: int, options: ParallelOptions) -> TensorParallelPlan:
-    """The tensor-parallel plan for ``module``: ``options.plan`` when given, else the module's
+def declared(module: Any, dims: ParallelDims, options: Parallelism) -> Declared:
+    """What ``module`` declares to the layout ``dims``, read once from its hooks and checked against the degrees.
+
+    The module is told its loss chunks first (``set_loss_chunks``): its ``pipeline_spec()`` follows them. A module
+    that laid itself out by hand (DTensor parameters made in ``configure_model``) declares its blocks only.
+
+    Raises:
+        ValueError: A hook an axis needs is missing, or the module's own check refuses a degree (one line).
+    """
+    configure_loss_chunks(module, options.loss_chunks)
+    name, reset = type(module).__name__, module_hook(module, "reset_parameters")
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return Declared(name=name, blocks=tuple(declared_blocks(module)), reset_parameters=reset)
+    return Declared(
+        name=name,
+        tp_plan=declared_tp_plan(module, dims.tp, options) if dims.tp_enabled else None,
+        cp_spec=declared_cp_spec(module, dims.cp),
+        ep_spec=declared_ep_spec(module, dims.ep),
+        blocks=tuple(declared_blocks(module)),
+        unsharded=tuple(declared_unsharded(module)),
+        pipeline_spec=declared_pipeline_spec(module) if dims.pp_enabled else None,
+        reset_parameters=reset,
+    )
+
+
+def declared_tp_plan(module: Any, tp: int, options: Parallelism) -> TensorParallelPlan:
+    """The tensor-parallel plan for ``module``: ``options.tensor.plan`` when given, else the module's
     ``tensor_parallel_plan()``, once its ``check_tensor_parallel`` (when it has one) accepted ``tp``.
 
     Raises:
         ValueError: The module has no plan and none was given, or its check refuses ``tp`` (one line).
     """
+    tensor = options.tensor
     check = module_hook(module, "check_tensor_parallel")
     if check is not None:
-        check(tp, sequence_parallel=options.sequence_parallel)
-    if options.plan is not None:
-        return dict(options.plan)
+        check(tp, sequence_parallel=tensor.sequence_parallel)
+    if tensor.plan is not None:
+        return dict(tensor.plan)
     method = module_hook(module, "tensor_parallel_plan")
     if method is None:
         raise ValueError(
@@ -190,7 +216,7 @@ def declared_tp_plan(module: Any, tp: int, options: ParallelOptions) -> TensorPa
             "plan={'layers.*.q_proj': 'colwise', ...} to the strategy, define tensor_parallel_plan() on the "
             "module, or parallelize it by hand in configure_model."
         )
-    return method(sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
+    return method(sequence_parallel=tensor.sequence_parallel, loss_parallel=tensor.loss_parallel)
 
 
 def configure_loss_chunks(module: Any, chunks: int) -> None:

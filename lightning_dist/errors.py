@@ -25,6 +25,11 @@ class LightningDistError(Exception):
     restart_would_repeat: bool = False
 
 
+#: What a step whose gradient norm is NaN / Inf does (``resilience.on_nonfinite``): end the run, or drop the update
+#: and train on (:mod:`lightning_dist.parallel.guard`).
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
 class NonFiniteError(LightningDistError, RuntimeError):
     """A step's loss or gradient norm was NaN or Inf (``resilience.on_nonfinite=stop``).
 

@@ -14,6 +14,7 @@ for the marker and read the same files. The token is huggingface_hub's own (``HF
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from typing import Any
 #: data.streaming=true: a train source streamed from the hub, ``hf://datasets/<org/name>[@<revision>]`` (a hub id not
 #: cached becomes one before launch: :func:`hub_stream`).
 HUB_STREAM = "hf://datasets/"
+#: A source's options, after its location: ``LOCATION?name=<config>&split=<split>&data_files=<glob>&max_tokens=<n>``
+#: (:mod:`lightning_dist.data.sources` reads them).
+SOURCE_OPTIONS = ("name", "split", "data_files", "max_tokens")
+_OPTIONS_START = re.compile(r"\?[A-Za-z_]+=")  # a glob's ? is never followed by a name and =
 #: What a run reads from a model repo (not ``*.bin`` / ``*.pth`` / ``original/``: the safetensors are read).
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
 #: A dataset repo's data files that ``data=hf`` reads, with its README (dataset card) and configs.
@@ -141,7 +146,13 @@ def _wait_for(marker: Path, cached: object, field: str, name: str) -> Path:
 def looks_like_hub_id(path: str) -> bool:
     """Whether ``path`` (not on this machine) reads as a hub id: ``org/name`` or ``org/name@<revision>``, no glob."""
     repo = path.partition("@")[0]
-    return repo.count("/") == 1 and not any(c in repo for c in "*?[]~") and not repo.startswith((".", "/"))
+    org, _, name = repo.partition("/")
+    return (
+        repo.count("/") == 1
+        and bool(org and name)
+        and not any(c in repo for c in "*?[]~")
+        and not repo.startswith((".", "/"))
+    )
 
 
 def resolve_data_path(data: object) -> None:
@@ -154,6 +165,11 @@ def resolve_data_path(data: object) -> None:
     streaming = bool(getattr(data, "streaming", False))
 
     def local(field: str, value: str) -> str:
+        location, options = split_source(value)
+        if options:  # a part of a hub dataset (a config, split, files): streamed at a pinned commit, or refused later
+            if streaming and field == "path" and looks_like_hub_id(location):
+                return f"{hub_stream(f'data.{field}', location, pinned=True)}?{options}"
+            return value
         if value and not Path(value).expanduser().exists() and looks_like_hub_id(value):
             if streaming and field == "path":  # the train stream; data.val_path is cached, so downloaded
                 return hub_stream(f"data.{field}", value)
@@ -168,11 +184,20 @@ def resolve_data_path(data: object) -> None:
             setattr(data, field, [local(field, str(v)) for v in value])
 
 
-def hub_stream(field: str, name: str) -> str:
+def split_source(source: str) -> tuple[str, str]:
+    """``(location, options)`` of a source written ``LOCATION[?key=value&...]`` (keys: :data:`SOURCE_OPTIONS`);
+    ``options`` is ``""`` without any. A ``?`` not followed by ``<name>=`` belongs to the location (a glob's
+    wildcard)."""
+    found = _OPTIONS_START.search(source)
+    return (source, "") if found is None else (source[: found.start()], source[found.start() + 1 :])
+
+
+def hub_stream(field: str, name: str, pinned: bool = False) -> str:
     """What ``data.streaming=true`` reads of the hub dataset ``name`` (``org/name[@revision]``): its snapshot folder
-    when it is in the HuggingFace cache already (read from disk, no network), else ``hf://datasets/<id>@<commit>``,
-    streamed by each rank (``datasets.load_dataset(<id>, streaming=True)``: HTTP range reads, nothing downloaded
-    whole) at the commit the revision names now, so every rank reads the same files.
+    when it is in the HuggingFace cache already (read from disk, no network; not with ``pinned``: a source that names
+    a part of the dataset is always streamed), else ``hf://datasets/<id>@<commit>``, streamed by each rank
+    (``datasets.load_dataset(<id>, streaming=True)``: HTTP range reads, nothing downloaded whole) at the commit the
+    revision names now, so every rank reads the same files.
 
     Raises:
         ValueError: huggingface_hub missing; not cached while ``HF_HUB_OFFLINE`` is set; not on the hub or not
@@ -183,16 +208,17 @@ def hub_stream(field: str, name: str) -> str:
     repo_id, _, revision = name.partition("@")
     cache, errors = hub_cache_dir(), (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError)
     try:
-        return str(
-            snapshot_download(
-                repo_id,
-                repo_type="dataset",
-                revision=revision or None,
-                cache_dir=cache,
-                allow_patterns=list(DATA_FILES),
-                local_files_only=True,
+        if not pinned:
+            return str(
+                snapshot_download(
+                    repo_id,
+                    repo_type="dataset",
+                    revision=revision or None,
+                    cache_dir=cache,
+                    allow_patterns=list(DATA_FILES),
+                    local_files_only=True,
+                )
             )
-        )
     except errors:  # not cached: streamed
         pass
     if offline():

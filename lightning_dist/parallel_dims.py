@@ -219,6 +219,11 @@ class ParallelDims:
             ("tp", self.tp),
         ]
 
+    def replica_group(self) -> ParallelDims:
+        """One replica group's layout: every axis but ``dp_replicate``, over ``world_size / dp_replicate`` ranks (what
+        each group of a fault-tolerant replica axis builds its mesh from: the groups meet through torchft)."""
+        return ParallelDims(self.world_size // self.dp_replicate, 1, self.dp_shard, self.tp, self.pp, self.cp, self.ep)
+
     def dp_rank(self, rank: int) -> int:
         """Data-parallel index of ``rank``: ranks with the same index must read the same batches."""
         coords = self.coordinates(rank)

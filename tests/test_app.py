@@ -70,6 +70,19 @@ def train(*overrides: str, cwd: Path, timeout: int = 300, **extra_env: str) -> s
         (["parallelism=tp", "parallelism.pp=2"], r"^error: parallelism.pp=2 is not possible .*parallelism=pp"),
         (["parallelism=tp", "model.n_kv_heads=1"], r"^error: tp=2 does not divide model.n_kv_heads=1"),
         (["parallelism.dp_shard=0"], r"^error: dp_shard=0 must be >= 1, or -1"),
+        # An option of an earlier version's flat parallelism group, named by its section now.
+        (
+            ["parallelism.schedule=GPipe"],
+            r"^error: parallelism.schedule is not .*did you mean parallelism.pipeline.schedule",
+        ),
+        (
+            ["parallelism.cp_attention=auto"],
+            r"^error: parallelism.cp_attention is not .*parallelism.context.attention\?",
+        ),
+        (
+            ["parallelism.activation_checkpointing=full"],
+            r"^error: parallelism.activation_checkpointing is a section of options, not one value; set its fields",
+        ),
         (["telemetry.comm_timing_every_n_steps=0"], r"^error: telemetry.comm_timing_every_n_steps=0 must be >= 1"),
     ],
 )

@@ -55,8 +55,8 @@ def test_the_sbatch_recipes_run_in_a_venv_or_in_the_container(script: str, tmp_p
     assert venv[1].endswith("cluster=node_8gpu cluster.num_nodes=2 recipe=tiny_ddp_cpu")
     command = venv[1].removeprefix("srun --kill-on-bad-exit=1 ")
 
-    (pyxis,) = _submit(SBATCH / script, tmp_path, CONTAINER_IMAGE="registry/lightning-dist:0.4.0")
-    mounts = f"--container-image=registry/lightning-dist:0.4.0 --container-mounts={job}:{job} --container-workdir={job}"
+    (pyxis,) = _submit(SBATCH / script, tmp_path, CONTAINER_IMAGE="registry/lightning-dist:0.5.0")
+    mounts = f"--container-image=registry/lightning-dist:0.5.0 --container-mounts={job}:{job} --container-workdir={job}"
     assert pyxis == f"srun --kill-on-bad-exit=1 {mounts} {command}"
 
     (apptainer,) = _submit(SBATCH / script, tmp_path, APPTAINER_IMAGE="/images/lightning-dist.sif")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dist import __version__
-from lightning_dist.config.parallelism import ParallelismConfig
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.run.help import SCHEMAS, fields_of, groups, help_text, markdown, options, sections, top_fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +43,14 @@ def test_help_of_a_group_lists_its_options_and_every_field_with_its_docstring() 
     assert found
     assert "  fsdp  " in text and "FSDP1" in text  # the option's comment says which FSDP
     assert "  tp_fsdp*" in text  # the override's choice
-    for field in dataclasses.fields(ParallelismConfig):
-        if field.name != "diloco":
-            assert f"  parallelism.{field.name}: " in text, field.name
+    for field in dataclasses.fields(Parallelism):  # a section's fields, each under its section's name
+        names = (
+            [f"{field.name}.{leaf.name}" for leaf in dataclasses.fields(field.default_factory)]
+            if (dataclasses.is_dataclass(field.default_factory))
+            else [field.name]
+        )
+        for name in names:
+            assert f"  parallelism.{name}: " in text, name
     assert "  parallelism.tp: int = 2\n      Tensor-parallel degree." in text  # the value the overrides give
     assert "  parallelism.diloco.every: int = 50\n      H: inner optimizer steps per outer step" in text
     assert "Lightning loggers by name" in help_text("logger", [])[0]

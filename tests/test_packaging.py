@@ -95,7 +95,7 @@ def test_the_wheel_states_its_version_license_and_extras(wheel: Path) -> None:
         meta = Parser().parsestr(archive.read(metadata).decode())
         (license_file,) = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
         assert "Apache License" in archive.read(license_file).decode()
-    assert meta["Version"] == PYPROJECT["project"]["version"] == "0.4.0"
+    assert meta["Version"] == PYPROJECT["project"]["version"] == "0.5.0"
     assert meta["License-Expression"] == "Apache-2.0"
     assert set(meta.get_all("Provides-Extra")) == {*EXTRAS, "dev"}
     assert "lightning_dist/conf/train.yaml" in names and "lightning_dist/conf/recipe/slurm/srun.sbatch" in names

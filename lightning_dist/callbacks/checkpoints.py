@@ -19,7 +19,7 @@ from lightning_dist.checkpoint.hf_save import HF_FOLDER, save_hf
 from lightning_dist.checkpoint.store import RUN_RECORD, remove
 from lightning_dist.checkpoint.weights import load_weights
 from lightning_dist.contract import strategy_view
-from lightning_dist.strategies.guard import guard_of
+from lightning_dist.parallel.guard import guard_of
 
 
 class InitWeights(pl.Callback):

@@ -1,4 +1,5 @@
-"""What a run trains and on what: the built-in GPT and data, a user's own classes, or a HuggingFace model.
+"""What a run trains and on what: the built-in GPT and data, a user's own classes, or a HuggingFace model; and the
+strategy that lays it out.
 
 The app's model and data come from ``cfg.model`` / ``cfg.data``: a :class:`~lightning_dist.models.gpt.GPTConfig` /
 :class:`~lightning_dist.data.config.DataConfig` (the built-in options), a
@@ -8,9 +9,11 @@ LightningDataModule, built by Hydra), or an :class:`~lightning_dist.config.schem
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import Strategy
 
 from lightning_dist.checkpoint.weights import is_hf_folder
 from lightning_dist.config.pretrained import pretrained_folder
@@ -22,6 +25,8 @@ from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.hf import HFCausalLM
 from lightning_dist.models.module import GPTModule
+from lightning_dist.parallel_dims import ParallelDims
+from lightning_dist.strategies import DataParallelStrategy, MeshStrategy
 
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:
@@ -72,3 +77,27 @@ def build_datamodule(cfg: TrainConfig) -> pl.LightningDataModule:
             "point it at your LightningDataModule class."
         )
     return datamodule
+
+
+def build_strategy(cfg: TrainConfig, dims: ParallelDims) -> Strategy:
+    """The strategy for ``parallelism.strategy``: Lightning's DDP (loader order kept) for ``ddp``, else our mesh
+    strategy on ``dims``, whose path follows from the degrees alone; the run's guard, saving and process-group
+    settings from ``resilience``, ``checkpoint`` and ``cluster``.
+
+    ``fsdp`` is FSDP2 (torch ``fully_shard``) through the mesh strategy with ``tp=1``: Lightning's FSDPStrategy
+    wraps the older FSDP1 and refuses to run on CPU.
+    """
+    timeout = timedelta(seconds=cfg.cluster.collective_timeout_s)
+    backend, on_nonfinite = cfg.cluster.process_group_backend, cfg.resilience.on_nonfinite
+    if cfg.parallelism.strategy == "ddp":
+        return DataParallelStrategy(
+            parallelism=cfg.parallelism, on_nonfinite=on_nonfinite, process_group_backend=backend, timeout=timeout
+        )
+    return MeshStrategy(
+        parallel_dims=dims,
+        parallelism=cfg.parallelism,
+        on_nonfinite=on_nonfinite,
+        async_save=cfg.checkpoint.async_save,
+        process_group_backend=backend,
+        timeout=timeout,
+    )

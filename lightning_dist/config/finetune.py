@@ -7,6 +7,7 @@ the launcher runs them."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from typing import Any
 
 from lightning_dist.config.shapes import hf_config, planned_model
@@ -40,10 +41,11 @@ def replicate_on_the_mesh(cfg: Any) -> str | None:
     read back as such, where Lightning's DDP reads its one-file checkpoints before the base is quantized). Lightning's
     DDP writes each checkpoint as one file, so such a run replicates on the mesh instead: ``parallelism.strategy=fsdp``
     with ``dp_shard=1`` and ``dp_replicate`` over the world, FSDP2 replicating every weight, which is DDP's math (one
-    process's, as every layout). ``cfg`` is changed in place; returns the line that says so (``None``: nothing to do).
+    process's, as every layout). ``cfg.parallelism`` is replaced so; returns the line that says so (``None``: nothing
+    to do).
 
     Raises:
-        ValueError: ``parallelism.ddp_comm_hook`` set (DDP's hooks have no place on the mesh; one line).
+        ValueError: ``parallelism.ddp.comm_hook`` set (DDP's hooks have no place on the mesh; one line).
     """
     par = cfg.parallelism
     lora = getattr(cfg.model, "lora", None)
@@ -53,13 +55,13 @@ def replicate_on_the_mesh(cfg: Any) -> str | None:
     if par.strategy != "ddp" or not needs:
         return None
     what = " and ".join(needs)
-    if par.ddp_comm_hook is not None:
+    if par.ddp.comm_hook is not None:
         raise ValueError(
-            f"{what} with parallelism.ddp_comm_hook={par.ddp_comm_hook}: the run needs a checkpoint folder, which "
+            f"{what} with parallelism.ddp.comm_hook={par.ddp.comm_hook}: the run needs a checkpoint folder, which "
             "Lightning's DDP does not write, and the mesh's replication has no DDP hooks; set "
-            "parallelism.ddp_comm_hook=null (parallelism.reduce_dtype=bf16 halves the gradient bytes there)."
+            "parallelism.ddp.comm_hook=null (parallelism.fsdp.reduce_dtype=bf16 halves the gradient bytes there)."
         )
-    par.strategy, par.dp_shard = "fsdp", 1  # dp_replicate: parallelism=ddp's (-1: the rest of the world)
+    cfg.parallelism = replace(par, strategy="fsdp", dp_shard=1)  # dp_replicate: parallelism=ddp's (the world)
     return (
         f"note: {what} needs a checkpoint folder, which Lightning's DDP does not write: parallelism=ddp runs as the "
         "mesh's replication (parallelism.strategy=fsdp parallelism.dp_shard=1: FSDP2 replicating every weight, "

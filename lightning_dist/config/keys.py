@@ -49,7 +49,16 @@ def unknown_field_line(key: str, schema: type) -> str:
     """One line for ``key`` (``model.n_layer``), which the dataclass ``schema`` of its group does not have."""
     group, _, name = key.rpartition(".")
     fields = sorted(_field_types(schema))
-    close = [f for f in fields if f.startswith(name) or name.startswith(f)][:3]  # n_layer, every: n_layers, every_n_*
+    # A field of one of its sections (parallelism.schedule: parallelism.pipeline.schedule; cp_attention: the
+    # context section's attention), as a flat name of an earlier version would give it.
+    close = [
+        f"{section}.{leaf}"
+        for section, kind in _field_types(schema).items()
+        if dataclasses.is_dataclass(kind)
+        for leaf in _field_types(kind)
+        if name == leaf or name.endswith(f"_{leaf}")
+    ]
+    close = close or [f for f in fields if f.startswith(name) or name.startswith(f)][:3]  # n_layer: n_layers
     close = close or difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
     prefix = f"{group}." if group else ""
     hint = f"did you mean {' or '.join(prefix + c for c in close)}?" if close else f"its fields: {', '.join(fields)}"
@@ -85,7 +94,16 @@ def hydra_error_line(err: BaseException) -> str | None:
         return None
     schema, key = getattr(err.__cause__, "object_type", None), getattr(err.__cause__, "full_key", None)
     if isinstance(err, ConfigCompositionException) and dataclasses.is_dataclass(schema) and key:
-        return unknown_field_line(key, schema)  # Hydra's hint would be to add the key with +, which runs without it
+        kind = _field_types(schema).get(str(key).rpartition(".")[2])
+        if dataclasses.is_dataclass(kind):  # a value given to a section (activation_checkpointing=full)
+            leaves = list(_field_types(kind))
+            return (
+                f"{key} is a section of options, not one value; set its fields ({', '.join(leaves)}), e.g. "
+                f"{key}.{leaves[0]}=..."
+            )
+        if kind is None:
+            return unknown_field_line(key, schema)  # Hydra's hint would be to add the key with +, which runs without
+        return f"{key}: {first_line(err.__cause__)}"  # a value of the wrong type
     if isinstance(err, ConfigCompositionException) and str(key).startswith("trainer."):
         given = re.search(rf"use \+{re.escape(key)}=(.*)", str(err))  # Hydra's hint holds the value given
         try:  # not a Trainer argument (named with the closest), or one the app sets

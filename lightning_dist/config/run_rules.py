@@ -1,16 +1,17 @@
 """The run's own settings, checked before launch: its length and logging (``trainer.*``, with
 :func:`~lightning_dist.config.trainer_args.check_trainer`), checkpoints, resilience and telemetry, and the user's
-callbacks (``resilience.on_nonfinite`` is a ``ParallelOptions`` rule)."""
+callbacks."""
 
 from __future__ import annotations
 
 from lightning_dist.config.loggers import check_loggers
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.trainer_args import check_trainer
+from lightning_dist.errors import NONFINITE_ACTIONS
 
 
 def check_run_fields(cfg: TrainConfig) -> None:
-    """The run's length, logging and checkpoint settings (``resilience.on_nonfinite`` is a ParallelOptions rule)."""
+    """The run's length, logging, checkpoint and resilience settings, and the user's callbacks."""
     trainer, every, fault = cfg.trainer, cfg.checkpoint, cfg.resilience
     for name, node in cfg.callbacks.items():  # built in each rank; the launcher does not import them (start-up)
         target = node.get("_target_") if isinstance(node, dict) else None
@@ -42,6 +43,11 @@ def check_run_fields(cfg: TrainConfig) -> None:
         raise ValueError(f"resilience.hang_timeout_s={fault.hang_timeout_s} must be > 0, or null (automatic).")
     if fault.max_restarts < 0:
         raise ValueError(f"resilience.max_restarts={fault.max_restarts} must be >= 0.")
+    if fault.on_nonfinite not in NONFINITE_ACTIONS:
+        raise ValueError(
+            f"resilience.on_nonfinite={fault.on_nonfinite!r} is unknown; use stop (end the run) or skip (drop such "
+            "steps)."
+        )
     if every.async_save and cfg.parallelism.strategy == "ddp":
         raise ValueError(
             "checkpoint.async_save=true needs a mesh layout (sharded checkpoints); parallelism=ddp saves one file: "

@@ -18,13 +18,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_dist.config.keys import unknown_key
-from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.trainer_args import typed_trainer
 from lightning_dist.data.config import DataConfig
 from lightning_dist.environment import hydra_run_dir, hydra_subdir
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.lora_config import LoraConfig
 from lightning_dist.models.optim_config import OptimConfig
+from lightning_dist.parallel.options import Parallelism
 
 #: The Hydra configs ship inside the package (``conf/`` at the repository root links here), so an installed wheel
 #: finds them as an editable install does.
@@ -308,7 +308,7 @@ class TrainConfig:
     or a HuggingFace causal LM (HFModelConfig: model=hf)."""
     data: Any = MISSING
     """The built-in data's fields (DataConfig: data=synthetic, text, tokens) or your DataModule (data=custom)."""
-    parallelism: ParallelismConfig = MISSING
+    parallelism: Parallelism = MISSING
     """The layout: degrees (dp_replicate, dp_shard, cp, tp, pp) and how each axis works. fsdp is FSDP2."""
     cluster: ClusterConfig = MISSING
     """The devices, nodes and precision, and who starts the processes (the app, torchrun, srun or SLURM)."""
@@ -411,6 +411,6 @@ def register_configs() -> None:
     store.store(group="model", name="model_schema", node=GPTConfig)
     store.store(group="model", name="hf_schema", node=HFModelConfig)
     store.store(group="data", name="data_schema", node=DataConfig)
-    store.store(group="parallelism", name="parallelism_schema", node=ParallelismConfig)
+    store.store(group="parallelism", name="parallelism_schema", node=Parallelism)
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     store.store(group="hardware", name="hardware_schema", node=HardwareConfig)

@@ -4,9 +4,13 @@ message names the strategy and the fix rather than a world-size mismatch."""
 from __future__ import annotations
 
 import importlib.util
+import socket
+from urllib.parse import urlsplit
 
-from lightning_dist.config.schema import ParallelismConfig
-from lightning_dist.parallel.options import resolve_cp_attention
+from lightning_dist.parallel.options import Parallelism
+
+#: How long the pre-launch check waits for a Lighthouse to accept a connection.
+CONNECT_TIMEOUT_S = 5.0
 
 #: ``parallelism.strategy`` -> the degrees it cannot do, each with the fix. ``ddp`` is Lightning's DDPStrategy;
 #: every other name is our MeshStrategy, whose path follows from the degrees alone.
@@ -33,33 +37,47 @@ DOES = {
 }
 
 
-def check_strategy_can_do(par: ParallelismConfig, accelerator: str = "cpu") -> None:
+def check_strategy_can_do(par: Parallelism, accelerator: str = "cpu") -> None:
     """Degrees the chosen strategy cannot do, named before any degree arithmetic muddles the message."""
     if par.sync == "diloco" and par.strategy == "ddp":
         raise ValueError(
             "parallelism.sync=diloco cannot run on Lightning's DDP (it averages gradients every step); use "
             "parallelism=diloco, or parallelism.strategy=fsdp (or tensor_parallel / pipeline_parallel) with it."
         )
-    if par.ddp_comm_hook is not None and par.strategy != "ddp":
+    hook = par.ddp.comm_hook
+    if hook is not None and par.strategy != "ddp":
         raise ValueError(
-            f"parallelism.ddp_comm_hook={par.ddp_comm_hook} is for parallelism=ddp; FSDP2 layouts halve their gradient "
-            "bytes with parallelism.reduce_dtype=bf16."
+            f"parallelism.ddp.comm_hook={hook} is for parallelism=ddp; FSDP2 layouts halve their gradient bytes with "
+            "parallelism.fsdp.reduce_dtype=bf16."
         )
-    if par.ddp_comm_hook == "bf16" and accelerator != "gpu":
+    if hook == "bf16" and accelerator != "gpu":
         raise ValueError(
-            f"parallelism.ddp_comm_hook=bf16 needs CUDA and NCCL 2.10+ (torch's rule) and cluster.accelerator is "
-            f"{accelerator}; use parallelism.ddp_comm_hook=fp16 there."
+            f"parallelism.ddp.comm_hook=bf16 needs CUDA and NCCL 2.10+ (torch's rule) and cluster.accelerator is "
+            f"{accelerator}; use parallelism.ddp.comm_hook=fp16 there."
         )
-    if par.reduce_dtype is not None and par.strategy == "ddp":
+    if par.fsdp.reduce_dtype is not None and par.strategy == "ddp":
         raise ValueError(
-            f"parallelism.reduce_dtype={par.reduce_dtype} is for FSDP2 layouts; parallelism=ddp compresses with "
-            "parallelism.ddp_comm_hook=bf16 (or fp16, powersgd)."
+            f"parallelism.fsdp.reduce_dtype={par.fsdp.reduce_dtype} is for FSDP2 layouts; parallelism=ddp compresses "
+            "with parallelism.ddp.comm_hook=bf16 (or fp16, powersgd)."
         )
     if par.float8 != "off" and importlib.util.find_spec("torchao") is None:  # found, not imported (start-up)
         raise ValueError(
             f"parallelism.float8={par.float8} needs torchao; pip install 'lightning-dist[float8]', or set "
             "parallelism.float8=off."
         )
+    if par.replicas.fault_tolerant:
+        if par.strategy == "ddp":
+            raise ValueError(
+                "parallelism.replicas.recovery=torchft runs on the mesh strategies; parallelism=ddp is Lightning's "
+                "DDP: use parallelism=fsdp with parallelism.dp_replicate=N (and dp_shard inside each group)."
+            )
+        if importlib.util.find_spec("torchft") is None:  # found, not imported (start-up)
+            raise ValueError(
+                "parallelism.replicas.recovery=torchft needs torchft: pip install 'lightning-dist[ft]', or set "
+                "parallelism.replicas.recovery=restart."
+            )
+        if par.replicas.lighthouse is not None:
+            check_reachable(par.replicas.lighthouse)
     cannot = CANNOT_DO[par.strategy]
     bad = [axis for axis in cannot if getattr(par, axis) > 1]
     if bad:
@@ -68,5 +86,27 @@ def check_strategy_can_do(par: ParallelismConfig, accelerator: str = "cpu") -> N
             f"{values} is not possible with parallelism.strategy={par.strategy} (it does {DOES[par.strategy]}); "
             f"{cannot[bad[0]]}."
         )
-    if par.cp > 1:  # torch's ring attention is CUDA's: cp_attention=torch (and its cp_rotate) is refused elsewhere
-        resolve_cp_attention(par.cp_attention, par.cp_rotate, accelerator, "parallelism.")
+    if par.cp > 1:  # torch's ring attention is CUDA's: context.attention=torch is refused elsewhere
+        par.context.resolve(accelerator)
+
+
+def check_reachable(address: str) -> None:
+    """A torchft Lighthouse's address (``http://host:port``) accepts a connection.
+
+    Raises:
+        ValueError: It does not, or it is no address (one line naming it and the fix).
+    """
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(
+            f"parallelism.replicas.lighthouse={address!r} is not an address; give http://<host>:<port> (the "
+            "Lighthouse's --bind), or null for the app's own."
+        )
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"parallelism.replicas.lighthouse={address} cannot be reached ({err.strerror or err}); start it "
+            "(torchft_lighthouse --min_replicas N --bind [::]:<port>) or give null for the app's own."
+        ) from None

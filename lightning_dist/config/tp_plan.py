@@ -1,4 +1,4 @@
-"""``parallelism.tp_plan``: a tensor-parallel plan given on the command line, read and checked before launch."""
+"""``parallelism.tensor.plan``: a tensor-parallel plan given on the command line, read and checked before launch."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from lightning_dist.parallel.options import TP_STYLE_NAMES
 
 
 def load_tp_plan(value: str | None) -> dict[str, Any] | None:
-    """The plan ``parallelism.tp_plan`` names: a YAML / JSON file of ``pattern: style``, or ``package.module:name`` of
-    such a dict or of a function returning one (whose styles may also be torch ``ParallelStyle`` objects).
+    """The plan ``parallelism.tensor.plan`` names: a YAML / JSON file of ``pattern: style``, or
+    ``package.module:name`` of such a dict or of a function returning one (whose styles may also be torch
+    ``ParallelStyle`` objects).
 
     Raises:
         ValueError: A file or object that is not there, not a mapping, or names an unknown style (one line).
     """
     if value is None:
         return None
-    key = f"parallelism.tp_plan={value}"
+    key = f"parallelism.tensor.plan={value}"
     path = Path(value).expanduser()
     if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
         if not path.is_file():

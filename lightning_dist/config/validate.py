@@ -1,11 +1,11 @@
 """The one validation pass: every check that can be made before any process starts, in one place.
 
 :func:`validate` takes the composed config and returns a :class:`ValidRun`: a resolved copy of the config (what
-depends on this machine and on the run folder settled), its :class:`~lightning_dist.parallel_dims.ParallelDims` and
-its :class:`~lightning_dist.parallel.options.ParallelOptions`, built once and handed to every rank as they are. The
-input is never changed. Each failure is one line naming the config field, its value and the fix; rules the
-strategy must enforce at run time too (a user's own ``Trainer``) are written once, in ``ParallelOptions`` and
-``ParallelDims``, and only called from here.
+depends on this machine and on the run folder settled, its ``parallelism`` options among it) and its
+:class:`~lightning_dist.parallel_dims.ParallelDims`, built once and handed to every rank as they are. The input is
+never changed. Each failure is one line naming the config field, its value and the fix; rules the strategy must
+enforce at run time too (a user's own ``Trainer``) are written once, in
+:class:`~lightning_dist.parallel.options.Parallelism` and ``ParallelDims``, and only called from here.
 
 What only some configs need is imported by the check that needs it (a checkpoint to continue, files to read, a
 tensor-parallel split, a HuggingFace config): the launcher checks a plain config without torch or Lightning, and
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +37,21 @@ from lightning_dist.data.corpus import holds_tokenizer, load_tokenizer
 from lightning_dist.hub import resolve_data_path
 from lightning_dist.models.gpt_config import GPTConfig
 from lightning_dist.models.hf_families import check_family
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import DEGREES, ParallelDims
 
 
 @dataclass(frozen=True)
 class ValidRun:
-    """A checked run: the resolved config, its layout and its options; what :func:`validate` returns."""
+    """A checked run: the resolved config and its layout; what :func:`validate` returns."""
 
     cfg: TrainConfig
     dims: ParallelDims
-    options: ParallelOptions
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """How the layout's axes work (the resolved ``parallelism`` group: plan loaded, microbatches set)."""
+        return self.cfg.parallelism
 
     @property
     def layout(self) -> str:
@@ -69,7 +72,7 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
     an external restart into ``output_dir`` and ``ckpt_path``, ``parallelism=ddp`` for a run that needs a checkpoint
     folder (``checkpoint.save_hf``, QLoRA) into the mesh's replication (one line says so), and how each rank's batch is
-    split (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.microbatches``).
+    split (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.pipeline.microbatches``).
 
     Raises:
         ValueError: One line naming the value and the fix.
@@ -104,15 +107,21 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     replaced = replicate_on_the_mesh(cfg)  # save_hf / QLoRA need a checkpoint folder, which DDP does not write
     if replaced is not None and environment.is_global_zero():  # one line per job (under torchrun every rank checks)
         print(replaced, file=sys.stderr, flush=True)
+    par = cfg.parallelism
     check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
     split = split_batch(cfg, dims, per_rank_batch)
     if per_rank_batch is not None:  # the built-in data: it reads data.micro_batch_size
         cfg.data.micro_batch_size = split.micro_batch_size
-    trainer.accumulate_grad_batches, par.microbatches = split.accumulate_grad_batches, split.microbatches
-    options = options_of(cfg)
-    _check_layout(cfg, dims, options, per_rank_batch)
+    trainer.accumulate_grad_batches = split.accumulate_grad_batches
+    plan = load_tp_plan(par.tensor.plan) if isinstance(par.tensor.plan, str) else par.tensor.plan
+    cfg.parallelism = par = replace(
+        par,
+        pipeline=replace(par.pipeline, microbatches=split.microbatches),
+        tensor=replace(par.tensor, plan=plan),
+    )
+    _check_layout(cfg, dims, per_rank_batch)
     if _continues_its_own_run(cfg):  # once resolved (micro batches, the tokenizer), as the checkpoint noted them
         # deferred: reading a checkpoint needs torch (test_layering: DEFERRED)
         from lightning_dist.config.start import check_unchanged
@@ -121,7 +130,7 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
     if trainer.enable_progress_bar is None:
         # Lightning's (rich) bar for a person at a terminal; none in files and CI logs, where it is noise.
         trainer.enable_progress_bar = sys.stdout.isatty()
-    return ValidRun(cfg=cfg, dims=dims, options=options)
+    return ValidRun(cfg=cfg, dims=dims)
 
 
 def _continues_or_starts_from_weights(cfg: TrainConfig) -> bool:
@@ -139,65 +148,40 @@ def _continues_its_own_run(cfg: TrainConfig) -> bool:
 
 
 def build_parallel_dims(cfg: TrainConfig) -> ParallelDims:
-    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated."""
-    degrees = {name: getattr(cfg.parallelism, name) for name in DEGREES}
-    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes, **degrees)
-
-
-def options_of(cfg: TrainConfig) -> ParallelOptions:
-    """The run's :class:`ParallelOptions`, from ``parallelism.*`` and the trainer / checkpoint / cluster fields."""
+    """The layout of ``cfg`` over ``cluster.devices x cluster.num_nodes`` processes, validated. Under torchrun /
+    srun with fault-tolerant replica groups each job is one group, so the whole job is ``dp_replicate`` of them."""
     par = cfg.parallelism
-    try:
-        return ParallelOptions(
-            plan=load_tp_plan(par.tp_plan),
-            sequence_parallel=par.sequence_parallel,
-            loss_parallel=par.loss_parallel,
-            schedule=par.schedule,
-            microbatches=par.microbatches,
-            stages_per_rank=par.stages_per_rank,
-            split_points=tuple(par.split_points) if par.split_points else None,
-            activation_checkpointing=par.activation_checkpointing,
-            ac_selective=par.ac_selective,
-            compile=par.compile,
-            cpu_offload=par.cpu_offload,
-            on_nonfinite=cfg.resilience.on_nonfinite,
-            async_save=cfg.checkpoint.async_save,
-            process_group_backend=cfg.cluster.process_group_backend,
-            timeout=timedelta(seconds=cfg.cluster.collective_timeout_s),
-            sync=par.sync,
-            cp_attention=par.cp_attention,
-            cp_rotate=par.cp_rotate,
-            ddp_comm_hook=par.ddp_comm_hook,
-            reduce_dtype=par.reduce_dtype,
-            float8=par.float8,
-            loss_chunks=par.loss_chunks,
-            **{f"diloco_{name}": value for name, value in vars(par.diloco).items()},
+    degrees = {name: getattr(par, name) for name in DEGREES}
+    external = environment.launcher() in ("torchrun", "slurm")
+    groups = par.dp_replicate if par.replicas.fault_tolerant and external and par.dp_replicate > 1 else 1
+    if groups > 1 and (par.replicas.group is None or par.replicas.lighthouse is None):
+        raise ValueError(
+            f"parallelism.replicas.recovery=torchft under {environment.launcher()}: each job is one of the "
+            f"{groups} replica groups; give it parallelism.replicas.group=<0 .. {groups - 1}> and "
+            "parallelism.replicas.lighthouse=http://<host>:<port> (torchft_lighthouse --min_replicas N)."
         )
-    except ValueError as err:  # the same message, named as the config field
-        message = str(err)
-        group = "resilience." if message.startswith("on_nonfinite") else "parallelism."
-        raise ValueError(group + message.replace("diloco_", "diloco.")) from None
+    return ParallelDims(world_size=cfg.cluster.devices * cfg.cluster.num_nodes * groups, **degrees)
 
 
 # ------------------------------------------------------------------------------------------------ the layout
-def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions, per_rank_batch: int | None) -> None:
+def _check_layout(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None) -> None:
     """The layout against the model and the batch: tensor-parallel sizes, pipeline stages and microbatches.
 
     A user's own module is checked by the strategy when it is set up (its hooks name what is wrong).
     """
     par = cfg.parallelism
-    if par.cpu_offload and par.strategy == "ddp":
+    if par.fsdp.cpu_offload and par.strategy == "ddp":
         raise ValueError(
-            "parallelism.cpu_offload=true with parallelism=ddp: offloading moves FSDP2 shards to host memory and "
+            "parallelism.fsdp.cpu_offload=true with parallelism=ddp: offloading moves FSDP2 shards to host memory and "
             "Lightning's DDP holds none; use parallelism=fsdp."
         )
-    options.check(dims, prefix="parallelism.", per_rank_batch=per_rank_batch if dims.pp_enabled else None)
+    par.check(dims, per_rank_batch=per_rank_batch if dims.pp_enabled else None)
     gpt = isinstance(cfg.model, GPTConfig)
     if gpt and dims.tp_enabled:
         # deferred: the GPT's tensor-parallel plan (torch's DTensor) is next to this rule (test_layering: DEFERRED)
         from lightning_dist.models.gpt_parallel import check_tensor_parallel
 
-        check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.sequence_parallel)
+        check_tensor_parallel(cfg.model, dims.tp, getattr(cfg.data, "seq_len", None), par.tensor.sequence_parallel)
     if dims.cp_enabled:
         _check_context_parallel(cfg, dims, gpt)
     if dims.ep_enabled:
@@ -214,12 +198,12 @@ def _check_layout(cfg: TrainConfig, dims: ParallelDims, options: ParallelOptions
         )
     if not dims.pp_enabled:
         return
-    num_stages = dims.pp * par.stages_per_rank
+    num_stages = dims.pp * par.pipeline.stages_per_rank
     blocks = num_blocks(cfg.model)
     if blocks is not None and num_stages > blocks:
         raise ValueError(
-            f"parallelism.pp={dims.pp} x stages_per_rank={par.stages_per_rank} = {num_stages} stages but the model "
-            f"has {blocks} blocks; lower pp / stages_per_rank or use a model with more blocks."
+            f"parallelism.pp={dims.pp} x pipeline.stages_per_rank={par.pipeline.stages_per_rank} = {num_stages} stages "
+            f"but the model has {blocks} blocks; lower pp / pipeline.stages_per_rank or use a model with more blocks."
         )
     if par.loss_chunks and isinstance(cfg.model, HFModelConfig):
         raise ValueError(
@@ -379,7 +363,8 @@ def split_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None
     par, accumulate = cfg.parallelism, cfg.trainer.accumulate_grad_batches
     if accumulate < 1:
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be >= 1.")
-    unchanged = BatchSplit(getattr(cfg.data, "micro_batch_size", None), accumulate, par.microbatches)
+    microbatches = par.pipeline.microbatches
+    unchanged = BatchSplit(getattr(cfg.data, "micro_batch_size", None), accumulate, microbatches)
     if per_rank_batch is None:  # a user's DataModule: its loader's batch is the micro batch (a schedule step, pp)
         return unchanged
     data, micro = cfg.data, cfg.data.micro_batch_size
@@ -401,10 +386,10 @@ def split_batch(cfg: TrainConfig, dims: ParallelDims, per_rank_batch: int | None
             f"{steps} micro batches); set only data.micro_batch_size."
         )
     if not dims.pp_enabled:
-        return BatchSplit(micro, steps, par.microbatches)
-    if par.microbatches is not None and par.microbatches != steps:
+        return BatchSplit(micro, steps, microbatches)
+    if microbatches is not None and microbatches != steps:
         raise ValueError(
-            f"parallelism.microbatches={par.microbatches} contradicts data.micro_batch_size={micro} ({where} is "
+            f"parallelism.pipeline.microbatches={microbatches} contradicts data.micro_batch_size={micro} ({where} is "
             f"{steps} micro batches); set only one of them."
         )
     return BatchSplit(micro, 1, steps)

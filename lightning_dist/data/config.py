@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_dist.hub import HUB_STREAM
+from lightning_dist.data.sources import parse_source
+from lightning_dist.hub import split_source
 
 KINDS = ("synthetic", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -86,8 +87,14 @@ class DataConfig:
     run ends at trainer.max_steps. The position in the stream is checkpointed, so a resume continues it exactly, under
     any data-parallel size. Validation reads data.val_path (cached as usual); without it validation is off."""
     weights: list[float] | None = None
-    """hf, data.streaming=true with a list data.path: each source's share of the records drawn (normalized; the
-    shorter sources are read again until every one is done); None = equal shares."""
+    """hf, data.streaming=true with a list data.path: each source's share of the windows, so of the tokens
+    (normalized; blended by index: among any first n windows a source is under one window from its share); None =
+    equal shares."""
+    num_streams: int = 1
+    """hf, data.streaming=true: the streams the sources' shards (files) are dealt to; window g comes from stream
+    g mod num_streams, and a data-parallel rank reads only the streams of its windows. 1: every rank reads the whole
+    corpus. A multiple of the data-parallel size: each rank reads only its own shards (give each source a multiple of
+    num_streams files). The batches depend on it, not on the data-parallel size; a resume keeps it."""
 
 
 def validate_data_config(cfg: Any) -> None:
@@ -110,6 +117,13 @@ def validate_data_config(cfg: Any) -> None:
         raise ValueError(f"data.seq_len={cfg.seq_len} must be >= 1; pass a positive sequence length")
     if cfg.num_workers < 0:
         raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0; pass 0 to load in the main process")
+    if getattr(cfg, "num_streams", 1) < 1:
+        raise ValueError(f"data.num_streams={cfg.num_streams} must be >= 1; pass 1 for one stream every rank reads")
+    if getattr(cfg, "num_streams", 1) > 1 and not (cfg.kind == "hf" and getattr(cfg, "streaming", False)):
+        raise ValueError(
+            f"data.num_streams={cfg.num_streams} deals a streamed corpus to streams; set data=hf data.streaming=true, "
+            "or data.num_streams=1"
+        )
     if cfg.kind != "hf" and getattr(cfg, "streaming", False):
         raise ValueError(f"data.streaming=true reads data=hf corpora; data.kind={cfg.kind}: set data.streaming=false")
     if cfg.kind != "hf" and not (cfg.path is None or isinstance(cfg.path, str)):
@@ -200,6 +214,14 @@ def _validate_hf(cfg: Any) -> None:
             f"data.path={_shown(cfg.path)} is a list, a mixture of sources, which only data.streaming=true reads; "
             "set data.streaming=true, or prepare a mixture with lightning-dist-prepare --weights"
         )
+    for field in ("path", "val_path"):
+        value = getattr(cfg, field, None)
+        if isinstance(value, str) and split_source(value)[1]:
+            raise ValueError(
+                f"data.{field}={value}: a source's options ({split_source(value)[1]}) are read by data.streaming=true "
+                "(train) and lightning-dist-prepare; set data.streaming=true, or prepare it once with "
+                "lightning-dist-prepare"
+            )
     if getattr(cfg, "weights", None) is not None:
         raise ValueError(
             f"data.weights={_shown(cfg.weights)} weighs a mixture, which only data.streaming=true reads; set "
@@ -215,17 +237,6 @@ def _validate_hf(cfg: Any) -> None:
 def sources(cfg: Any) -> list[str]:
     """``data.path`` as a list of sources (one path or hub id, or a list of them)."""
     return [cfg.path] if isinstance(cfg.path, str) else [str(p) for p in cfg.path]
-
-
-def hub_stream_id(source: str) -> tuple[str, str | None] | None:
-    """``(repo id, revision or None)`` of a source streamed from the hub (``hf://datasets/<org/name>[@<rev>]``), else
-    None (a local file, folder or glob)."""
-    if not source.startswith(HUB_STREAM):
-        return None
-    repo_id, _, revision = source[len(HUB_STREAM) :].strip("/").partition("@")
-    if repo_id.count("/") != 1:
-        raise ValueError(f"data.path={source}: a hub dataset is hf://datasets/<org>/<name>[@<revision>]")
-    return repo_id, revision or None
 
 
 def _shown(value: Any) -> str:
@@ -247,6 +258,12 @@ def _validate_streaming(cfg: Any) -> None:
             f"data.num_workers={cfg.num_workers} with data.streaming=true: the stream's position lives in the main "
             "process; set data.num_workers=0"
         )
+    for path in sources(cfg):
+        if parse_source(path, "data.path").max_tokens is not None:
+            raise ValueError(
+                f"data.path={path}: max_tokens caps a source lightning-dist-prepare writes; a stream's share of each "
+                "source is data.weights: drop max_tokens"
+            )
     weights = cfg.weights
     if weights is not None and (len(weights) != len(sources(cfg)) or any(w <= 0 for w in weights)):
         raise ValueError(

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -14,14 +15,14 @@ from lightning_dist.data import corpus
 from lightning_dist.data.config import (
     DataConfig,
     data_seed,
-    hub_stream_id,
     per_rank_batch_size,
     sources,
     validate_data_config,
 )
 from lightning_dist.data.files import TextDataset, TokenDataset
 from lightning_dist.data.packed import PackedDataset, build_cache, hf_datasets
-from lightning_dist.data.streaming import StreamedWindows, build_streamed_windows
+from lightning_dist.data.sources import parse_source
+from lightning_dist.data.streaming import StreamedWindows, build_streamed_windows, merge_states
 from lightning_dist.data.synthetic import MarkovChain, SyntheticDataset
 from lightning_dist.data.token_norm import GlobalBatchTokensSampler, batch_tokens
 
@@ -122,8 +123,9 @@ class TokenDataModule(pl.LightningDataModule):
             self._datasets = {s: TextDataset(cfg.path, s, cfg.seq_len, cfg.val_fraction) for s in ("train", "val")}
         elif cfg.kind == "hf" and cfg.streaming:
             for path in sources(cfg):  # missing sources fail here, before launch; the stream is built per rank
-                if hub_stream_id(path) is None:  # a hub dataset: looked up before launch (lightning_dist/hub.py)
-                    corpus.corpus_files(path)
+                source = parse_source(path, "data.path")
+                if source.hub is None:  # a hub dataset: looked up before launch (lightning_dist/hub.py)
+                    corpus.corpus_files(source.location)
             self._datasets = {"val": _packed(build_cache(cfg, "data.val_path"))} if cfg.val_path else {}
         elif cfg.kind == "hf":
             self._datasets = dict(hf_datasets(cfg))
@@ -239,7 +241,7 @@ class TokenDataModule(pl.LightningDataModule):
     def _streamed_loader(self, num_replicas: int, rank: int, per_rank: int, batch_size: int) -> DataLoader:
         """data.streaming: this rank's share of the stream, continued from the checkpoint's position on resume."""
         # The states of the last boundaries are kept for state_dict: more than the loader and the fit loop read ahead.
-        self._stream = build_streamed_windows(self.cfg, self.seed, rank, num_replicas, kept=4 * per_rank)
+        self._stream = build_streamed_windows(self.cfg, rank, num_replicas, kept=4 * per_rank)
         if self._stream_state is not None:
             self._stream.load_state_dict(self._stream_state)
         return DataLoader(self._stream, batch_size=batch_size, drop_last=True, num_workers=0)
@@ -249,7 +251,7 @@ class TokenDataModule(pl.LightningDataModule):
         position before the first window not yet trained on, not the loader's, which reads ahead)."""
         step = int(self.trainer.global_step) if self.trainer is not None else 0
         if self._stream is not None:  # global_step x global batch windows consumed; the same on every rank
-            return {"global_step": step, "stream": self._stream.state_at(step * self.cfg.global_batch_size)}
+            return {"global_step": step, "stream": _whole_position(self._stream, step * self.cfg.global_batch_size)}
         if self._stream_state is not None:  # resumed, and no batch read since
             return {"global_step": step, "stream": self._stream_state}
         return {"global_step": step}
@@ -336,6 +338,18 @@ def build_datamodule(cfg: DataConfig, seed: int) -> TokenDataModule:
         A TokenDataModule.
     """
     return TokenDataModule(cfg, seed=seed)
+
+
+def _whole_position(stream: StreamedWindows, window: int) -> dict[str, Any]:
+    """The stream's position before ``window`` with every stream's state: a rank holds those of the streams it reads
+    (``data.num_streams`` > 1), so the ranks gather theirs (Lightning asks every rank for the state of a checkpoint it
+    saves; the same condition on every rank, so all or none of them gather)."""
+    state = stream.state_at(window)
+    if len(stream.reads) == stream.num_streams or not torch.distributed.is_initialized():
+        return state
+    states: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(states, state)
+    return merge_states(states)
 
 
 def _packed(folder: Any) -> PackedDataset:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_dist.data.blend import Blend
 from lightning_dist.data.config import TOKEN_DTYPES
 
 _GLOB_CHARS = ("*", "?", "[")
@@ -153,7 +155,9 @@ class TokenDataset(Dataset):
         self.num_tokens = size // self.dtype.itemsize
         self.split = split
         self.seq_len = seq_len
-        self._len = _chunk_count(self.num_tokens, seq_len)
+        # A mixture lightning-dist-prepare wrote with --weights: each window of the blend, where it starts in the file.
+        self._starts = blend_starts(d, split, seq_len, self.num_tokens)
+        self._len = len(self._starts) if self._starts is not None else _chunk_count(self.num_tokens, seq_len)
         if self._len == 0:
             raise ValueError(
                 f"{str(self.file)!r} has {self.num_tokens} tokens, fewer than seq_len+1={seq_len + 1} needed for "
@@ -184,5 +188,47 @@ class TokenDataset(Dataset):
         if self._data is None:
             self._data = np.memmap(self.file, dtype=self.dtype, mode="r")
         n = self.seq_len + 1
-        chunk = torch.from_numpy(self._data[index * n : (index + 1) * n].astype(np.int64))
+        start = index * n if self._starts is None else int(self._starts[index])
+        chunk = torch.from_numpy(self._data[start : start + n].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+
+def blend_starts(directory: Path, split: str, seq_len: int, num_tokens: int) -> np.ndarray | None:
+    """Where each window of a mixture's ``train.bin`` starts, or None for a plain file (no ``blend`` in its
+    ``meta.json``: windows one after the other).
+
+    ``lightning-dist-prepare --weights`` writes each source's tokens once, one after the other, and the blend in
+    ``meta.json``: the sources' integer shares and the mixture's tokens. Each source is cut into windows of
+    ``seq_len + 1`` tokens on its own; the mixture's ``train_tokens // (seq_len + 1)`` windows come from the sources by
+    the blend's index (:class:`~lightning_dist.data.blend.Blend`: source j gives ``share_j / sum`` of them, to under
+    one window), and the ``c_j`` windows a source gives are spread evenly over its own ``w_j``: the k-th is its window
+    ``k * w_j // c_j`` (fewer than it has: about every ``w_j / c_j``-th, each at most once; more: each
+    ``floor(c_j / w_j)`` or ``ceil(c_j / w_j)`` times).
+
+    Raises:
+        ValueError: ``meta.json`` does not describe the file, or a source holds less than one window (one line).
+    """
+    meta_file = directory / "meta.json"
+    if split != "train" or not meta_file.is_file():
+        return None
+    meta = json.loads(meta_file.read_text())
+    blend, sources = meta.get("blend"), meta.get("sources", [])
+    if not blend:
+        return None
+    if not sources or sources[-1]["offset"] + sources[-1]["train_tokens"] != num_tokens:
+        raise ValueError(
+            f"{str(directory / 'train.bin')!r} holds {num_tokens} tokens, not those its meta.json describes; write the "
+            "folder again with lightning-dist-prepare"
+        )
+    n = seq_len + 1
+    windows = np.array([source["train_tokens"] // n for source in sources], dtype=np.int64)
+    for source, count in zip(sources, windows):
+        if count == 0:
+            raise ValueError(
+                f"data.path={str(directory)!r}: source {source['source']} has {source['train_tokens']} train tokens, "
+                f"fewer than one window of data.seq_len+1={n}; lower data.seq_len, or prepare more of that source"
+            )
+    source, position = Blend(blend["shares"], "meta.json blend").index(blend["train_tokens"] // n)
+    counts = np.bincount(source, minlength=len(sources))
+    offsets = np.array([s["offset"] for s in sources], dtype=np.int64)
+    return offsets[source] + (position * windows[source] // counts[source]) * n

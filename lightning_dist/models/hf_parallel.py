@@ -6,7 +6,7 @@ A family's shipped plan (``model.tp_plan``, from its ``base_model_tp_plan``) nam
 packed expert weights) are left out: the experts stay whole on every tp rank, the attention and the dense parts are
 sharded (expert parallelism is ``parallelism.ep``). A family that ships none gets the Llama plan where its decoder
 layers have Llama's projections (``q_proj`` ... ``down_proj``); GPT-2 (``Conv1D`` layers) gets its MLP sharded.
-Anything else needs a plan given by ``parallelism.tp_plan``.
+Anything else needs a plan given by ``parallelism.tensor.plan``.
 
 Needs the optional extra ``lightning-dist[hf]`` (transformers). No distributed code here: the strategies apply it.
 """
@@ -79,7 +79,7 @@ def hf_tensor_parallel_plan(model: nn.Module, blocks: str, prefix: str = "") -> 
         prefix: Put before every pattern (names relative to the LightningModule: ``"model."``).
 
     Raises:
-        ValueError: No plan can be shipped, derived or mapped (one line naming ``parallelism.tp_plan``).
+        ValueError: No plan can be shipped, derived or mapped (one line naming ``parallelism.tensor.plan``).
     """
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "model_type", None) == "gpt2":
@@ -97,14 +97,15 @@ def hf_tensor_parallel_plan(model: nn.Module, blocks: str, prefix: str = "") -> 
     if not shipped:
         raise ValueError(
             f"{name} ships no tensor-parallel plan and its layers are not Llama's (q_proj ... down_proj); give "
-            "parallelism.tp_plan=<a YAML file of module pattern: style> (styles: colwise, rowwise, ...), or use tp=1."
+            "parallelism.tensor.plan=<a YAML file of module pattern: style> (styles: colwise, rowwise, ...), or use "
+            "tp=1."
         )
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in shipped.items():
         if style not in STYLE_NAMES:
             raise ValueError(
                 f"{name}.tp_plan[{pattern!r}] = {style!r} has no torch style here (known: {sorted(STYLE_NAMES)}); "
-                "give parallelism.tp_plan=<a YAML file of module pattern: style> for this model, or use tp=1."
+                "give parallelism.tensor.plan=<a YAML file of module pattern: style> for this model, or use tp=1."
             )
         plan[prefix + pattern] = resolve_style(style)
     return plan

@@ -1,6 +1,6 @@
 """Activation checkpointing: keep fewer activations for backward and recompute the rest, block by block.
 
-Modes (``activation_checkpointing``):
+Modes (``activation_checkpointing.mode``):
 
 - ``none``: keep everything.
 - ``full``: every block keeps only its inputs and recomputes its forward during backward.
@@ -26,10 +26,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Re-exported (activation_checkpoint.MODES, its first home, as check_mode above): the names are plain Python in
-# ac_modes.py, which ParallelOptions (and so the launcher) checks without torch.
-from lightning_dist.parallel.ac_modes import MODES as MODES
-from lightning_dist.parallel.ac_modes import OP_POLICY_NAMES, check_mode
+from lightning_dist.parallel.ac_modes import OP_POLICY_NAMES
+from lightning_dist.parallel.options import ActivationCheckpointOptions
 
 #: Ops whose outputs selective (op-level) checkpointing keeps: the matmuls and attention kernels.
 _SAVED_OPS = {
@@ -48,15 +46,15 @@ _SAVED_OPS = {
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, selective: str = "op") -> None:
-    """Checkpoint ``blocks`` (in execution order) in place according to ``mode`` (see the module docstring)."""
-    check_mode(mode, selective)
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], options: ActivationCheckpointOptions) -> None:
+    """Checkpoint ``blocks`` (in execution order) in place as ``options`` say (see the module docstring)."""
+    mode, selective = options.mode, options.selective
     if mode == "none":
         return
     if not blocks:
         raise ValueError(
-            f"activation_checkpointing={mode} needs the model's blocks: define pipeline_spec() on the module (its "
-            "blocks_attr names them), or set activation_checkpointing=none."
+            f"parallelism.activation_checkpointing.mode={mode} needs the model's blocks: define pipeline_spec() on the "
+            "module (its blocks_attr names them), or set activation_checkpointing.mode=none."
         )
     for index, block in enumerate(blocks):
         if mode == "full" or (selective not in OP_POLICIES and index % int(selective) == 0):
@@ -87,7 +85,7 @@ def _keep_every_other_matmul() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-#: ``ac_selective`` values that choose an op-level policy (their names: ``ac_modes.OP_POLICY_NAMES``).
+#: ``activation_checkpointing.selective`` values that choose an op-level policy (names: ``ac_modes.OP_POLICY_NAMES``).
 OP_POLICIES = dict(zip(OP_POLICY_NAMES, (_keep_matmuls, _keep_every_other_matmul), strict=True))
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dist.parallel.context_attention import AllGatherAttention as AllGatherAttention  # re-exported
 from lightning_dist.parallel.context_attention import TorchRingAttention, build_attention, head_tail_positions
+from lightning_dist.parallel.options import ContextOptions
 from lightning_dist.parallel_dims import check_context_parallel_seq_len
 
 
@@ -146,8 +147,7 @@ def apply_context_parallel(
     module: nn.Module,
     spec: ContextParallelSpec,
     group: DeviceMesh | dist.ProcessGroup,
-    attention: str = "auto",
-    rotate: str = "allgather",
+    options: ContextOptions | None = None,
 ) -> str:
     """Make ``module`` compute on this cp rank's part of each sequence: replace its attention functions and index its
     position tables by this rank's global positions. In place, undone by :func:`undo_context_parallel`; the batch is
@@ -157,8 +157,8 @@ def apply_context_parallel(
         module: The module to change; ``spec``'s names are relative to it.
         spec: Which modules and buffers take part.
         group: The 1-D cp mesh (a process group: its device type is ``cuda`` under nccl, else ``cpu``).
-        attention: ``auto``, ``allgather`` or ``torch`` (:mod:`~lightning_dist.parallel.context_attention`).
-        rotate: torch's ring attention: ``allgather`` or ``alltoall``.
+        options: The attention (``auto``, ``allgather`` or ``torch``: :mod:`~lightning_dist.parallel.context_attention`)
+            and torch's ring rotation; ``None`` = the defaults.
 
     Returns:
         What runs, in words (for ``describe()``).
@@ -168,7 +168,7 @@ def apply_context_parallel(
     """
     if not isinstance(group, DeviceMesh):
         group = DeviceMesh.from_group(group, "cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    fn = build_attention(attention, group, rotate)
+    fn = build_attention(options or ContextOptions(), group)
     if spec.prepare is not None:
         spec.prepare(module)
     patched = [

@@ -2,7 +2,7 @@
 
 Each implementation is a callable ``fn(q, k, v, scale=None) -> out`` with ``q`` (B, H, T_local, D), ``k`` / ``v``
 (B, K, T_local, D) (K dividing H: grouped-query attention), causal over the global positions; chosen by name with
-``parallelism.cp_attention`` (:func:`~lightning_dist.parallel.options.resolve_cp_attention`):
+``parallelism.context.attention`` (:meth:`~lightning_dist.parallel.options.ContextOptions.resolve`):
 
 - ``"allgather"`` (:class:`AllGatherAttention`): all-gather keys and values over the cp group (their gradients are
   reduce-scattered back to their owners), then attend with this rank's two query chunks, each against the keys up
@@ -45,7 +45,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from lightning_dist import _compat
 from lightning_dist._compat import all_gather_single, reduce_scatter_sum_single
-from lightning_dist.parallel.options import resolve_cp_attention
+from lightning_dist.parallel.options import ContextOptions
 from lightning_dist.parallel_dims import check_context_parallel_seq_len
 
 
@@ -59,21 +59,23 @@ def head_tail_positions(seq_len: int, cp: int, rank: int, device: torch.device |
     return torch.cat((head, tail))
 
 
-def build_attention(
-    attention: str, mesh: DeviceMesh, rotate: str = "allgather"
-) -> AllGatherAttention | TorchRingAttention:
-    """The cp attention ``attention`` (``auto``, ``allgather`` or ``torch``) resolves to on ``mesh``'s device type.
+def build_attention(options: ContextOptions, mesh: DeviceMesh) -> AllGatherAttention | TorchRingAttention:
+    """The cp attention ``options.attention`` (``auto``, ``allgather`` or ``torch``) resolves to on ``mesh``'s device
+    type.
 
     Raises:
         ValueError: ``torch`` off CUDA, or ``rotate=alltoall`` where the all-gather attention runs (one line each).
     """
-    name = resolve_cp_attention(attention, rotate, mesh.device_type)
+    attention, rotate = options.attention, options.rotate
+    name = options.resolve(mesh.device_type)
     if name == "torch":
         fallback = AllGatherAttention(mesh.get_group()) if attention == "auto" else None
         return TorchRingAttention(mesh, rotate, fallback)
     fn = AllGatherAttention(mesh.get_group())
     if attention == "auto":
-        fn.description += f" (cp_attention=auto on {mesh.device_type}: torch's ring attention has CUDA kernels only)"
+        fn.description += (
+            f" (context.attention=auto on {mesh.device_type}: torch's ring attention has CUDA kernels only)"
+        )
     return fn
 
 
@@ -223,8 +225,9 @@ class TorchRingAttention:
         if repeat is None:
             if self.fallback is None:
                 raise ValueError(
-                    f"cp_attention=torch: no CUDA SDPA kernel of torch's ring attention (flash / efficient / cuDNN) "
-                    f"takes q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} here; set cp_attention=allgather (or auto)."
+                    "context.attention=torch: no CUDA SDPA kernel of torch's ring attention (flash / efficient / "
+                    f"cuDNN) takes q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} here; set "
+                    "parallelism.context.attention=allgather (or auto)."
                 )
             return self.fallback(q, k, v, scale=scale)
         return self._ring(q, k, v, scale, repeat)
@@ -268,9 +271,11 @@ class TorchRingAttention:
                     f"{tuple(q.shape)} {q.dtype}"
                 )
                 if self.fallback is None:
-                    raise ValueError(f"cp_attention=torch: {why}; set cp_attention=allgather.")
+                    raise ValueError(f"context.attention=torch: {why}; set parallelism.context.attention=allgather.")
         if repeat is None and self.fallback is not None:
-            warnings.warn(f"cp_attention=auto: {why}; the all-gather attention runs for these calls.", stacklevel=3)
+            warnings.warn(
+                f"context.attention=auto: {why}; the all-gather attention runs for these calls.", stacklevel=3
+            )
         self._repeat[key] = repeat
         return repeat
 

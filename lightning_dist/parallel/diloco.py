@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from lightning_dist.parallel.compression import (  # noqa: F401  (re-exported: t
     quantize_int8,
     start_mean,
 )
-from lightning_dist.parallel.options import COMPRESSIONS, ParallelOptions
+from lightning_dist.parallel.options import DiLoCoOptions
 
 
 # ----------------------------------------------------------------------------------------------------- fragments
@@ -78,8 +78,8 @@ def build_fragments(
     kind = "blocks" if blocks else "parameters"
     if num_fragments > len(units_and_sizes):
         raise ValueError(
-            f"diloco_fragments={num_fragments} but the model has {len(units_and_sizes)} {kind} to split; use at most "
-            f"{len(units_and_sizes)}."
+            f"parallelism.diloco.fragments={num_fragments} but the model has {len(units_and_sizes)} {kind} to split; "
+            f"use at most {len(units_and_sizes)}."
         )
     total = sum(s for _, s in units_and_sizes)
     fragments: list[list[str]] = [[] for _ in range(num_fragments)]
@@ -97,14 +97,12 @@ def build_fragments(
     return fragments
 
 
-def describe(options: ParallelOptions) -> str:
-    """One line such as ``DiLoCo over dp_replicate: H=50 F=1 tau=0 alpha=0 fp32``; ``""`` without DiLoCo."""
-    if not options.diloco:
-        return ""
+def describe(options: DiLoCoOptions) -> str:
+    """One line such as ``DiLoCo over dp_replicate: H=50 F=1 tau=0 alpha=0 fp32 (outer SGD ...)``."""
+    o = options
     return (
-        f"DiLoCo over dp_replicate: H={options.diloco_every} F={options.diloco_fragments} tau={options.diloco_delay} "
-        f"alpha={options.diloco_alpha:g} {options.diloco_compression} (outer SGD lr={options.diloco_outer_lr:g} "
-        f"momentum={options.diloco_outer_momentum:g}{' nesterov' if options.diloco_nesterov else ''})"
+        f"DiLoCo over dp_replicate: H={o.every} F={o.fragments} tau={o.delay} alpha={o.alpha:g} {o.compression} "
+        f"(outer SGD lr={o.outer_lr:g} momentum={o.outer_momentum:g}{' nesterov' if o.nesterov else ''})"
     )
 
 
@@ -123,38 +121,29 @@ class DiLoCo:
     Args:
         params: This rank's ``(name, parameter)`` pairs in model order (DTensors or plain tensors).
         group: The ``dp_replicate`` process group; ``None`` = no communication (one replica).
+        options: H, the outer SGD, tau, alpha and the compression (:class:`~lightning_dist.parallel.options.
+            DiLoCoOptions`, checked on construction); keyword arguments set single fields over them.
         fragments: Parameter names per fragment (:func:`build_fragments`); ``None`` = one fragment.
-        every: H, inner steps per outer step of a fragment.
-        outer_lr: Outer SGD learning rate.
-        outer_momentum: Outer SGD momentum.
-        nesterov: Nesterov momentum.
-        delay: tau, inner steps between starting a fragment's exchange and applying it.
-        alpha: Mixing factor: parameters = (1 - alpha) x outer result + alpha x local.
-        compression: ``fp32``, ``bf16`` or ``int8``.
     """
 
     def __init__(
         self,
         params: Sequence[tuple[str, Tensor]],
         group: dist.ProcessGroup | None,
+        options: DiLoCoOptions | None = None,
         *,
         fragments: Sequence[Sequence[str]] | None = None,
-        every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        delay: int = 0,
-        alpha: float = 0.0,
-        compression: str = "fp32",
+        **fields: Any,
     ) -> None:
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression={compression!r} is unknown; use {', '.join(COMPRESSIONS)}.")
+        options = replace(options or DiLoCoOptions(), **fields)
         self._params = dict(params)
         self.fragments = [list(f) for f in fragments] if fragments is not None else [list(self._params)]
         listed = [name for fragment in self.fragments for name in fragment]
         if sorted(listed) != sorted(self._params):
             raise ValueError("fragments must name every parameter exactly once; build them with build_fragments().")
-        self.every, self.delay, self.alpha, self.compression = every, delay, alpha, compression
+        self.options = options
+        every = options.every
+        self.every, self.delay, self.alpha, self.compression = every, options.delay, options.alpha, options.compression
         self.offsets = [f * every // len(self.fragments) for f in range(len(self.fragments))]
         self.group = group
         self.num_replicas = dist.get_world_size(group) if group is not None else 1
@@ -171,9 +160,10 @@ class DiLoCo:
             # fp32 on the host, sharded as the parameters: the outer state costs no accelerator memory
             self.backup = {name: _local(p).detach().to("cpu", torch.float32, copy=True) for name, p in params}
         self.outer = torch.optim.SGD(
-            list(self.backup.values()), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+            list(self.backup.values()), lr=options.outer_lr, momentum=options.outer_momentum, nesterov=options.nesterov
         )
-        if outer_momentum > 0:  # made now, so a saved state always has them (SGD's first step gives the same values)
+        # Momentum buffers made now, so a saved state always has them (SGD's first step gives the same values).
+        if options.outer_momentum > 0:
             for tensor in self.backup.values():
                 self.outer.state[tensor]["momentum_buffer"] = torch.zeros_like(tensor)
 
@@ -182,25 +172,14 @@ class DiLoCo:
         cls,
         params: Sequence[tuple[str, Tensor]],
         group: dist.ProcessGroup | None,
-        options: ParallelOptions,
+        options: DiLoCoOptions,
         blocks: Sequence[str] = (),
     ) -> DiLoCo:
-        """A :class:`DiLoCo` with ``options``' ``diloco_*`` fields; fragments from ``blocks`` (or sizes) when F > 1."""
+        """A :class:`DiLoCo` with ``options``; fragments from ``blocks`` (or sizes) when F > 1."""
         fragments = None
-        if options.diloco_fragments > 1:
-            fragments = build_fragments([(n, p.numel()) for n, p in params], options.diloco_fragments, blocks)
-        return cls(
-            params,
-            group,
-            fragments=fragments,
-            every=options.diloco_every,
-            outer_lr=options.diloco_outer_lr,
-            outer_momentum=options.diloco_outer_momentum,
-            nesterov=options.diloco_nesterov,
-            delay=options.diloco_delay,
-            alpha=options.diloco_alpha,
-            compression=options.diloco_compression,
-        )
+        if options.fragments > 1:
+            fragments = build_fragments([(n, p.numel()) for n, p in params], options.fragments, blocks)
+        return cls(params, group, options, fragments=fragments)
 
     def syncs_at(self, step: int) -> list[int]:
         """The fragments whose exchange starts after inner step ``step`` (1-based)."""
@@ -307,7 +286,7 @@ class DiLoCo:
                 raise ValueError(
                     f"the checkpoint's DiLoCo state has {name} in fragment {int(_local(saved)[0])} and this layout in "
                     f"fragment {mine} (pipeline stages split the fragments); resume with the pp degree and stages "
-                    "that saved it, or diloco_fragments=1."
+                    "that saved it, or parallelism.diloco.fragments=1."
                 )
         self.step = int(state["step"])
         with torch.no_grad():

@@ -119,7 +119,7 @@ def check_float8_collectives(options: Any, tp_mesh: Any) -> None:
     """Refuse in one line what gloo cannot carry: tensorwise TP with sequence parallelism all-gathers float8
     gradients (torchao's styles), and gloo has no float8 dtypes (``RuntimeError: Invalid scalar type``)."""
     backend = torch.distributed.get_backend(tp_mesh.get_group())
-    if options.float8 == "tensorwise" and options.sequence_parallel and backend == "gloo":
+    if options.float8 == "tensorwise" and options.tensor.sequence_parallel and backend == "gloo":
         raise ValueError(
             "float8=tensorwise with tp and sequence_parallel=true all-gathers float8 gradients, which gloo cannot "
             "carry; use nccl (CUDA), sequence_parallel=false, or float8=rowwise."

@@ -7,7 +7,7 @@ on the split. With several stages per rank (interleaved / looped / V schedules) 
 of its stages' blocks and each stage runs a *view*: a shallow clone of the model whose container holds only
 that stage's blocks (the blocks themselves are shared, not copied).
 
-No Lightning imports and no model code here; the strategy in ``lightning_dist.strategies.stages``
+No Lightning imports and no model code here; :mod:`lightning_dist.parallel.pipeline_stages`
 drives it.
 """
 

@@ -1,7 +1,7 @@
 """The pipeline schedules by name, and the rules a layout's schedule, stages per rank and microbatches must follow.
 
 Plain Python, apart from the torch code that splits a model and runs a schedule (:mod:`.pipeline`, which re-exports
-these): :class:`~lightning_dist.parallel.options.ParallelOptions` checks its schedule on construction, and the
+these): :class:`~lightning_dist.parallel.options.PipelineOptions` checks its schedule on construction, and the
 launcher of ``lightning-dist-train`` builds one without importing torch.
 """
 

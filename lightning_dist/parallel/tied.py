@@ -1,4 +1,8 @@
-"""Weights shared by modules on different pipeline stages (an input embedding tied to the output head).
+"""Tied weights: one parameter used by several modules (an input embedding tied to the output head), kept one.
+
+Inside a module (:func:`shared_parameters`, :func:`retie`, :func:`check_ties_kept`): tensor parallelism replaces each
+module's parameters, so a tied pair comes out as two DTensors; they are made one again where their layouts agree, and
+a layout that splits them is refused. Across pipeline stages (:class:`StageTie`):
 
 In one process a tied weight is one parameter whose gradient sums both uses. Split over pipeline stages, each
 stage's rank holds its own copy; they stay one parameter in effect when the copies start equal (broadcast from the
@@ -111,3 +115,49 @@ def counted_once(stage_ties: list[StageTie], pp_rank: int) -> set[int]:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def shared_parameters(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one parameter (tied weights, e.g. an embedding and an output head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(module: nn.Module, ties: list[list[str]]) -> None:
+    """Make each tied group one parameter again where tensor parallelism gave its copies the same layout.
+
+    Styles replace each module's parameters, so a weight shared by an embedding (rowwise: vocab rows sharded) and
+    a head (colwise: the same vocab rows sharded) comes out as two DTensors with one layout; registering the first
+    on every user keeps them one parameter, whose gradient sums both uses as in one process.
+    """
+    for group in ties:
+        params = [module.get_parameter(name) for name in group if has_parameter(module, name)]
+        layouts = {(getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ())), p.shape) for p in params}
+        if len(params) < 2 or len(layouts) != 1:
+            continue  # left for check_ties_kept to report
+        for name in group[1:]:
+            if has_parameter(module, name):
+                parent, _, leaf = name.rpartition(".")
+                (module.get_submodule(parent) if parent else module).register_parameter(leaf, params[0])
+
+
+def check_ties_kept(module: nn.Module, ties: list[list[str]]) -> None:
+    """Raise when parallelizing turned one shared parameter into several: the copies would train apart."""
+    for group in ties:
+        present = [name for name in group if has_parameter(module, name)]
+        if len({id(module.get_parameter(name)) for name in present}) > 1:
+            raise ValueError(
+                f"{' and '.join(present)} are one parameter (tied weights), but parallelizing (tensor parallelism / "
+                "FSDP2) made separate ones of them that would train apart; untie them in the model, or leave both "
+                "modules out of the tensor-parallel plan (replicated, they stay one parameter)."
+            )
+
+
+def has_parameter(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+    except AttributeError:  # a part a pipeline stage does not hold
+        return False
+    return True

@@ -35,7 +35,7 @@ from lightning_dist.config.schema import CONF_DIR, TrainConfig, register_configs
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.plan.collectives import per_axis, step_collectives
 from lightning_dist.plan.cost import ASSUMPTIONS, Estimate, stage_params
-from lightning_dist.plan.cost_curve import Row, cost_curve, diloco_fields, duration, short
+from lightning_dist.plan.cost_curve import Row, cost_curve, duration, short
 from lightning_dist.plan.experts import expert_collectives
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
@@ -105,7 +105,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
     if tokens is not None:
         price = cfg.plan.price_per_gpu_hour
         rows = cost_curve(
-            cfg.model, cfg.hardware, seq_len, batch, cfg.plan, float(tokens), price, diloco_fields(cfg.parallelism)
+            cfg.model, cfg.hardware, seq_len, batch, cfg.plan, float(tokens), price, cfg.parallelism.diloco
         )
         if cfg.plan.format == "json":
             print(json.dumps([row.to_json() for row in rows], indent=1))
@@ -113,7 +113,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
             _print_cost_curve(cfg, rows, float(tokens), price)
         return [point.estimate for row in rows for point in (row.sync, row.diloco) if point is not None]
     par = cfg.parallelism  # every layout: the run's float8, loss_chunks and cpu_offload
-    fixed = {"float8": par.float8, "loss_chunks": par.loss_chunks, "cpu_offload": par.cpu_offload}
+    fixed = {"float8": par.float8, "loss_chunks": par.loss_chunks, "cpu_offload": par.fsdp.cpu_offload}
     found = rank(
         cfg.model,
         cfg.hardware,
@@ -121,7 +121,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
         seq_len,
         batch,
         cfg.plan,
-        diloco_fields(cfg.parallelism),
+        cfg.parallelism.diloco,
         context_parallel,
         fixed,
     )
@@ -223,11 +223,9 @@ def _degrees(lay: Layout) -> str:
 
 def _diloco_cell(lay: Layout) -> str:
     """``H=50 int8`` (with ``F=`` and ``tau=`` when streaming)."""
-    o = lay.options
-    streaming = (f" F={o.diloco_fragments}" if o.diloco_fragments > 1 else "") + (
-        f" tau={o.diloco_delay}" if o.diloco_delay else ""
-    )
-    return f"H={o.diloco_every} {o.diloco_compression}{streaming}"
+    o = lay.options.diloco
+    streaming = (f" F={o.fragments}" if o.fragments > 1 else "") + (f" tau={o.delay}" if o.delay else "")
+    return f"H={o.every} {o.compression}{streaming}"
 
 
 def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: float | None) -> None:
@@ -295,11 +293,8 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> TrainConfig:
         pp=lay.pp,
         cp=lay.cp,
         ep=lay.ep,
-        schedule=lay.schedule,
-        stages_per_rank=lay.stages_per_rank,
-        microbatches=lay.microbatches if lay.pp > 1 else None,
-        activation_checkpointing=lay.ac,
-        ac_selective=lay.ac_selective,
+        pipeline=lay.options.pipeline,
+        activation_checkpointing=lay.options.activation_checkpointing,
     )
     per_node = cfg.cluster.devices if cfg.cluster.accelerator != "cpu" else cfg.hardware.gpus_per_node
     cluster = replace(cfg.cluster, devices=per_node, accelerator="cpu", precision="bf16-mixed")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.parallel.compression import exchange_sizes
@@ -153,157 +154,236 @@ def step_collectives(
         ddp: Lightning's ``DDPStrategy`` (``parallelism=ddp``) instead of the mesh strategy's FSDP2.
         loop: Count the training loop's scalars (Lightning's and ours) too.
     """
-    lay, dt = layout, Dtypes.of(precision)
-    pp, tp, ds, dr, cp = lay.pp, lay.tp, lay.dp_shard, lay.dp_replicate, lay.cp
-    shard, shard_axis = ds * cp, DP_SHARD_CP if cp > 1 else "dp_shard"  # FSDP2's group: cp ranks share parameters
-    if cp == lay.world:  # cp spans the world: FSDP2's group is the cp group (one group object, reported as cp)
-        shard_axis = "cp"
-    local_seq = seq_len // cp  # this rank's tokens of a sequence
-    stage = (0 if pp <= 2 else 1) if stage is None else stage
-    micro = lay.microbatches  # micro batches per step: pipeline microbatches, or accumulated batches
-    batches = 1 if pp > 1 else micro  # Lightning batches per optimizer step
-    units = stage_units(cfg, pp, lay.stages_per_rank, lay.schedule, stage)
-    blocks = sum(n for n, _, _ in units)
-    out: list[Collective] = []
-
-    def add(axis: str, op: str, size: float, calls: int, what: str) -> None:
-        if calls > 0:
-            out.append(Collective(axis, op, int(size), calls, what))
-
-    # The default group is reported as the one axis it spans, if it spans one (the data-parallel axes count as one,
-    # named dp_shard when it shards).
-    spanned = {REPORTED_AXIS[axis] for axis, size in lay.dims.degrees.items() if size > 1}
-    world = spanned.pop() if len(spanned) == 1 else "world"
-    if world == DP:
-        world = "dp_shard" if ds > 1 else "dp_replicate"
-    if world == "world" and cp > 1 and tp == pp == 1:  # dp x cp: the flattened dp_cp group spans the world
-        world = DP_CP
-    if lay.world > 1 and loop:
-        add(world, "all_reduce", 4, 1, "the preemption flag")
-        # Logging steps' train/loss sync_dist and loss history: over the data-parallel ranks (strategies/metrics.py).
-        logged = "train/loss sync_dist and the loss history (logging)"
-        if lay.dims.model_parallel_size == 1:
-            add(world, "all_reduce", 4, 2, logged)
-        elif lay.dims.dp_cp_size > 1:  # over dp x cp (dp_cp), the ranks holding other tokens
-            add(DP, "all_reduce", 4, 2, logged)
-
-    sp = lay.sequence_parallel
-    roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]
-    block = block_tensors(cfg, tp, sp)
-    moe = moe_blocks_of_stage(cfg, lay, stage)  # MoE blocks come after the dense ones (moe.dense_layers)
-    experts = expert_tensors(cfg, lay.ep) if moe else []
-    moe_block = moe_block_tensors(cfg, tp, sp) + (experts if lay.ep == 1 else [])  # ep > 1: the experts' own unit
-    moe_tensors = (moe_block_tensors(cfg, tp, sp) + experts) * moe
-    all_tensors = [t for root in roots for t in root] + block * (blocks - moe) + moe_tensors
+    rank = _StepRank.of(cfg, layout, seq_len, precision, stage)
+    out = _Collectives()
+    if layout.world > 1 and loop:
+        _loop_scalars(rank, out)
+    if (
+        rank.moe and layout.dims.dp_cp_size > 1
+    ):  # the routers' counts and loss sums (parallel/step.py: finish_gradients)
+        load = rank.moe * (cfg.moe.num_experts + 3) * 4
+        out.add(rank.world if ddp else DP, "all_reduce", load, 1, "the MoE routers' load")
     if ddp:
-        size = sum(t.dim0 * t.rest for t in all_tensors) * dt.reduce
-        buckets = 1 + math.ceil(max(0, size - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
-        add("dp_replicate", "all_reduce", size / buckets, buckets, "DDP gradient buckets")
+        _ddp_buckets(rank, out)
         return out
+    _data_parallel(rank, out)
+    if layout.cp > 1:
+        _context_parallel(rank, out)
+    if layout.tp > 1:
+        _tensor_parallel(rank, out)
+    _gradient_norm(rank, out)
+    if layout.pp > 1:
+        _pipeline(rank, out, loop)
+    return out
 
-    # FSDP2: one unit per block, one for the rest of each stage.
-    unit_tensors = [block] * (blocks - moe) + [moe_block] * moe + [root for root in roots if root]
+
+class _Collectives(list[Collective]):
+    """The step's collectives, in the order they are counted."""
+
+    def add(self, axis: str, op: str, size: float, calls: int, what: str) -> None:
+        if calls > 0:
+            self.append(Collective(axis, op, int(size), calls, what))
+
+
+@dataclass(frozen=True)
+class _StepRank:
+    """What one pipeline rank's step is made of, for the collectives it issues."""
+
+    cfg: GPTConfig
+    lay: Layout
+    dt: Dtypes
+    seq_len: int
+    stage: int
+    units: list[tuple[int, bool, bool]]  # (blocks, first, last) of each virtual stage it holds
+    blocks: int
+    moe: int  # its MoE blocks (after the dense ones: moe.dense_layers)
+    roots: list[list[Tensor]]
+    block: list[Tensor]
+    experts: list[Tensor]
+    moe_block: list[Tensor]
+    all_tensors: list[Tensor]
+    shard: int  # FSDP2's group: dp_shard x cp (cp ranks share parameters)
+    shard_axis: str
+    world: str  # the axis the default group is reported as
+
+    @classmethod
+    def of(cls, cfg: GPTConfig, lay: Layout, seq_len: int, precision: str, stage: int | None) -> _StepRank:
+        pp, tp, ds, cp = lay.pp, lay.tp, lay.dp_shard, lay.cp
+        shard, shard_axis = ds * cp, DP_SHARD_CP if cp > 1 else "dp_shard"
+        if cp == lay.world:  # cp spans the world: FSDP2's group is the cp group (one group object, reported as cp)
+            shard_axis = "cp"
+        stage = (0 if pp <= 2 else 1) if stage is None else stage
+        units = stage_units(cfg, pp, lay.stages_per_rank, lay.schedule, stage)
+        blocks = sum(n for n, _, _ in units)
+        sp = lay.sequence_parallel
+        roots = [root_tensors(cfg, tp, first, last, pp, sp) for _, first, last in units]
+        block = block_tensors(cfg, tp, sp)
+        moe = moe_blocks_of_stage(cfg, lay, stage)
+        experts = expert_tensors(cfg, lay.ep) if moe else []
+        moe_block = moe_block_tensors(cfg, tp, sp) + (experts if lay.ep == 1 else [])  # ep > 1: the experts' own unit
+        moe_tensors = (moe_block_tensors(cfg, tp, sp) + experts) * moe
+        all_tensors = [t for root in roots for t in root] + block * (blocks - moe) + moe_tensors
+        # The default group is reported as the one axis it spans, if it spans one (the data-parallel axes count as
+        # one, named dp_shard when it shards).
+        spanned = {REPORTED_AXIS[axis] for axis, size in lay.dims.degrees.items() if size > 1}
+        world = spanned.pop() if len(spanned) == 1 else "world"
+        if world == DP:
+            world = "dp_shard" if ds > 1 else "dp_replicate"
+        if world == "world" and cp > 1 and tp == pp == 1:  # dp x cp: the flattened dp_cp group spans the world
+            world = DP_CP
+        return cls(
+            cfg=cfg,
+            lay=lay,
+            dt=Dtypes.of(precision),
+            seq_len=seq_len,
+            stage=stage,
+            units=units,
+            blocks=blocks,
+            moe=moe,
+            roots=roots,
+            block=block,
+            experts=experts,
+            moe_block=moe_block,
+            all_tensors=all_tensors,
+            shard=shard,
+            shard_axis=shard_axis,
+            world=world,
+        )
+
+    @property
+    def stream(self) -> int:
+        """Bytes per element of the residual stream: FSDP2 computes in bf16 from bf16 parameters; without it, autocast
+        leaves the embedding, the residual stream and the norm outputs in the fp32 of the parameters."""
+        return self.dt.compute if self.lay.dp_replicate * self.shard > 1 else self.dt.master
+
+
+def _loop_scalars(rank: _StepRank, out: _Collectives) -> None:
+    """The training loop's own scalars: the preemption flag, and on logging steps ``train/loss``."""
+    out.add(rank.world, "all_reduce", 4, 1, "the preemption flag")
+    # Logging steps' train/loss sync_dist and loss history: over the data-parallel ranks (strategies/metrics.py).
+    logged = "train/loss sync_dist and the loss history (logging)"
+    if rank.lay.dims.model_parallel_size == 1:
+        out.add(rank.world, "all_reduce", 4, 2, logged)
+    elif rank.lay.dims.dp_cp_size > 1:  # over dp x cp (dp_cp), the ranks holding other tokens
+        out.add(DP, "all_reduce", 4, 2, logged)
+
+
+def _ddp_buckets(rank: _StepRank, out: _Collectives) -> None:
+    """Lightning's DDP: the gradients all-reduced in its buckets."""
+    size = sum(t.dim0 * t.rest for t in rank.all_tensors) * rank.dt.reduce
+    buckets = 1 + math.ceil(max(0, size - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+    out.add("dp_replicate", "all_reduce", size / buckets, buckets, "DDP gradient buckets")
+
+
+def _data_parallel(rank: _StepRank, out: _Collectives) -> None:
+    """FSDP2's gathers and reductions, one unit per block and one for the rest of each stage (the experts' own under
+    ep > 1); without FSDP2, tensor parallelism's partial gradients (sequence-parallel norms) in one all-reduce."""
+    lay, dt, blocks, moe, shard = rank.lay, rank.dt, rank.blocks, rank.moe, rank.shard
+    micro = lay.microbatches  # micro batches per step: pipeline microbatches, or accumulated batches
+    if lay.dp_replicate * shard <= 1:
+        partial = sum(t.dim0 * t.rest for t in rank.all_tensors if t.partial_grad)
+        if lay.tp > 1:
+            out.add("tp", "all_reduce", partial * dt.master, 1 if partial else 0, "SP norm gradients (one coalesced)")
+        return
+    unit_tensors = [rank.block] * (blocks - moe) + [rank.moe_block] * moe + [root for root in rank.roots if root]
     # (tensors, FSDP2 group size, its axis, gathered once): the blocks' units, then the experts' under ep > 1
-    units_ = [(tensors_, shard, shard_axis, index >= blocks - 1) for index, tensors_ in enumerate(unit_tensors)]
+    units = [(tensors, shard, rank.shard_axis, index >= blocks - 1) for index, tensors in enumerate(unit_tensors)]
     if lay.ep > 1:  # FSDP2 over the ranks holding the same experts (efsdp x cp)
-        expert_axis = EFSDP_CP if cp > 1 else EFSDP
-        units_ += [(experts, shard // lay.ep, expert_axis, index == moe - 1) for index in range(moe)]
-    # FSDP2 computes in bf16 from bf16 parameters; without it, autocast leaves the embedding, the residual stream
-    # and the norm outputs in the fp32 of the parameters (only matmul outputs are bf16).
-    fsdp = dr * shard > 1
-    stream = dt.compute if fsdp else dt.master
+        expert_axis = EFSDP_CP if lay.cp > 1 else EFSDP
+        units += [(rank.experts, shard // lay.ep, expert_axis, index == moe - 1) for index in range(moe)]
     # FSDP2 accumulates unsharded gradients over micro batches in the reduce dtype, else keeps the compute dtype.
     partial_bytes = dt.reduce if micro > 1 else dt.compute
-    if fsdp:
-        float8 = (
-            lay.options.float8 == "tensorwise"
-        )  # the blocks' linear weights gathered in float8 (parallel/float8.py)
-        for index, (tensors_, group, axis, once) in enumerate(units_):
-            # The last block and the root (embedding, norm, head) stay gathered from their forward to their backward
-            # (parallel/data.py: apply_fsdp); the last experts' unit too.
-            gathers = 1 if pp > 1 else micro if once else 2 * micro
-            padded = sum(t.padded(group) for t in tensors_)
-            in_float8 = sum(t.padded(group) for t in tensors_ if t.rest > 1) if float8 and index < blocks else 0
-            if group > 1:
-                size = (padded - in_float8) * dt.compute + in_float8
-                add(axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
-                add(axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
-            if dr > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
-                add("dp_replicate", "all_reduce", padded // group * dt.reduce, 1, "FSDP2 gradients over replicas")
-            for t in tensors_:
-                if t.partial_grad:
-                    add("tp", "all_reduce", t.dim0 * t.rest * partial_bytes, 1, "FSDP2: SP norm gradient")
-    elif tp > 1:
-        partial = sum(t.dim0 * t.rest for t in all_tensors if t.partial_grad)
-        add("tp", "all_reduce", partial * dt.master, 1 if partial else 0, "SP norm gradients (one coalesced)")
+    float8 = lay.options.float8 == "tensorwise"  # the blocks' linear weights gathered in float8 (parallel/float8.py)
+    for index, (tensors, group, axis, once) in enumerate(units):
+        # The last block and the root (embedding, norm, head) stay gathered from their forward to their backward
+        # (parallel/data.py: apply_fsdp); the last experts' unit too.
+        gathers = 1 if lay.pp > 1 else micro if once else 2 * micro
+        padded = sum(t.padded(group) for t in tensors)
+        in_float8 = sum(t.padded(group) for t in tensors if t.rest > 1) if float8 and index < blocks else 0
+        if group > 1:
+            size = (padded - in_float8) * dt.compute + in_float8
+            out.add(axis, "all_gather", size, gathers, "FSDP2 parameters (block linears in float8)")
+            out.add(axis, "reduce_scatter", padded * dt.reduce, 1, "FSDP2 gradients")
+        if lay.dp_replicate > 1 and not lay.diloco:  # DiLoCo: FSDP2 reduces over dp_shard only (parallel/compose.py)
+            out.add("dp_replicate", "all_reduce", padded // group * dt.reduce, 1, "FSDP2 gradients over replicas")
+        for t in tensors:
+            if t.partial_grad:
+                out.add("tp", "all_reduce", t.dim0 * t.rest * partial_bytes, 1, "FSDP2: SP norm gradient")
 
-    if cp > 1:  # keys and values of every block: gathered in the forward (and recomputation), gradients scattered
-        kv = 2 * lay.micro_batch * cfg.kv_heads // tp * cfg.head_dim * seq_len * dt.compute  # the whole sequence's
-        again = recomputed_blocks(lay, blocks)
-        add("cp", "all_gather", kv, micro * (blocks + again), "CP: keys and values of the whole sequence")
-        add("cp", "reduce_scatter", kv, micro * blocks, "CP: gradients of the keys and values")
 
-    if tp > 1:
-        tokens = lay.micro_batch * local_seq * cfg.d_model  # elements of one whole (micro batch, seq, d_model) tensor
-        # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops
-        # once every saved tensor is back, before the block's last reduce-scatter); the op-level policies too: they
-        # keep matmul and attention outputs, not collectives. ac_selective=<n> checkpoints every n-th block.
-        again = recomputed_blocks(lay, blocks) / blocks if blocks else 0
-        ends = sum(1 for _, first, _ in units if first) + sum(1 for _, _, last in units if last)
-        lasts = sum(1 for _, _, last in units if last)
-        # The norm outputs gathered before attention and MLP (and again when recomputed), the head's input, and
-        # the embedding gradient move the stream dtype; the backward of the matmul outputs' reduce-scatters moves
-        # theirs. Reduce-scatters: matmul outputs (and again when recomputed) / the gradients of the gathers.
-        if sp:
-            add("tp", "all_gather", tokens * stream, micro * round((2 + 2 * again) * blocks + ends), "TP: norm outputs")
-            add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
-            add("tp", "reduce_scatter", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
-            add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
-        else:  # replicated activations: all-reduces of the row-parallel outputs and the column-parallel inputs' grads
-            firsts = ends - lasts
-            add("tp", "all_reduce", tokens * stream, micro * firsts, "TP: embedding output")
-            add("tp", "all_reduce", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
-            add(
-                "tp",
-                "all_reduce",
-                tokens * stream,
-                micro * (5 * blocks + lasts),
-                "TP: gradients of q/k/v/gate/up/head inputs",
-            )
-        if lay.loss_parallel:
-            add("tp", "all_reduce", lay.micro_batch * local_seq * 4, 3 * micro * lasts, "loss parallel")
-        else:
-            logits = lay.micro_batch * local_seq * cfg.vocab_size * dt.compute
-            add("tp", "all_gather", logits, micro * lasts, "TP: the head's logits gathered")
+def _context_parallel(rank: _StepRank, out: _Collectives) -> None:
+    """Keys and values of every block: gathered in the forward (and recomputation), gradients scattered."""
+    lay, cfg = rank.lay, rank.cfg
+    micro = lay.microbatches
+    kv = 2 * lay.micro_batch * cfg.kv_heads // lay.tp * cfg.head_dim * rank.seq_len * rank.dt.compute  # whole seq's
+    again = recomputed_blocks(lay, rank.blocks)
+    out.add("cp", "all_gather", kv, micro * (rank.blocks + again), "CP: keys and values of the whole sequence")
+    out.add("cp", "reduce_scatter", kv, micro * rank.blocks, "CP: gradients of the keys and values")
 
-    # Under ep the experts' gradients live on their own mesh: their norms are reduced apart (parallel/clip.py), over
-    # the flattened dp_shard (efsdp x ep), or ep alone where no other rank holds the same experts.
-    n_experts = len(experts) * moe if lay.ep > 1 else 0
-    n_grads = len(all_tensors) - n_experts
-    if dr * shard > 1 or tp > 1:
-        if shard > 1:
-            add(shard_axis, "all_reduce", 4 * n_grads, 1, "gradient norm")
-            experts_axis = shard_axis if shard > lay.ep else EP
-            add(experts_axis, "all_reduce", 4 * n_experts, 1 if n_experts else 0, "gradient norm of the experts")
-        if tp > 1:
-            add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
 
-    if pp > 1:
-        message = lay.micro_batch * seq_len * cfg.d_model * stream // tp
-        sends = _remote_neighbours(pp, lay.stages_per_rank, lay.schedule, stage)
-        add("pp", "send", message, micro * sends, "PP: activations forward, gradients backward")
-        add("pp", "recv", message, micro * sends, "PP: activations and gradients received")
-        add("pp", "broadcast", 4, batches if loop else 0, "PP: loss from the last stage")
-        add("pp", "all_reduce", 4, 1, "gradient norm over stages")
-        if cfg.tie_embeddings and any(first or last for _, first, last in units):
-            add(
-                "pp" if pp == 2 else "other",
-                "all_reduce",
-                cfg.vocab_size * cfg.d_model // tp // ds * dt.reduce,
-                1,
-                "tied embedding gradient",
-            )
-    return out
+def _tensor_parallel(rank: _StepRank, out: _Collectives) -> None:
+    """Tensor (and sequence) parallelism's activations, and the loss over vocab-sharded logits."""
+    lay, dt, blocks, units, stream = rank.lay, rank.dt, rank.blocks, rank.units, rank.stream
+    micro = lay.microbatches
+    local_seq = rank.seq_len // lay.cp  # this rank's tokens of a sequence
+    tokens = lay.micro_batch * local_seq * rank.cfg.d_model  # elements of one whole (micro batch, seq, d_model)
+    # A checkpointed block runs its forward again up to its MLP input all-gather (torch's recomputation stops once
+    # every saved tensor is back, before the block's last reduce-scatter); the op-level policies too: they keep
+    # matmul and attention outputs, not collectives. activation_checkpointing.selective=<n>: every n-th block.
+    again = recomputed_blocks(lay, blocks) / blocks if blocks else 0
+    ends = sum(1 for _, first, _ in units if first) + sum(1 for _, _, last in units if last)
+    lasts = sum(1 for _, _, last in units if last)
+    # The norm outputs gathered before attention and MLP (and again when recomputed), the head's input, and the
+    # embedding gradient move the stream dtype; the backward of the matmul outputs' reduce-scatters moves theirs.
+    # Reduce-scatters: matmul outputs (and again when recomputed) / the gradients of the gathers.
+    if lay.sequence_parallel:
+        out.add("tp", "all_gather", tokens * stream, micro * round((2 + 2 * again) * blocks + ends), "TP: norm outputs")
+        out.add("tp", "all_gather", tokens * dt.compute, micro * 2 * blocks, "TP: gradients of matmul outputs")
+        out.add("tp", "reduce_scatter", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
+        out.add("tp", "reduce_scatter", tokens * stream, micro * (2 * blocks + ends), "TP: gradients of norm outputs")
+    else:  # replicated activations: all-reduces of the row-parallel outputs and the column-parallel inputs' grads
+        out.add("tp", "all_reduce", tokens * stream, micro * (ends - lasts), "TP: embedding output")
+        out.add("tp", "all_reduce", tokens * dt.compute, micro * round((2 + again) * blocks), "TP: matmul outputs")
+        grads = "TP: gradients of q/k/v/gate/up/head inputs"
+        out.add("tp", "all_reduce", tokens * stream, micro * (5 * blocks + lasts), grads)
+    if lay.loss_parallel:
+        out.add("tp", "all_reduce", lay.micro_batch * local_seq * 4, 3 * micro * lasts, "loss parallel")
+    else:
+        logits = lay.micro_batch * local_seq * rank.cfg.vocab_size * dt.compute
+        out.add("tp", "all_gather", logits, micro * lasts, "TP: the head's logits gathered")
+
+
+def _gradient_norm(rank: _StepRank, out: _Collectives) -> None:
+    """The norm over every axis. Under ep the experts' gradients live on their own mesh: their norms are reduced
+    apart (parallel/clip.py), over the flattened dp_shard (efsdp x ep), or ep alone where no other rank holds the
+    same experts."""
+    lay, shard = rank.lay, rank.shard
+    n_experts = len(rank.experts) * rank.moe if lay.ep > 1 else 0
+    n_grads = len(rank.all_tensors) - n_experts
+    if lay.dp_replicate * shard <= 1 and lay.tp <= 1:
+        return
+    if shard > 1:
+        out.add(rank.shard_axis, "all_reduce", 4 * n_grads, 1, "gradient norm")
+        experts_axis = rank.shard_axis if shard > lay.ep else EP
+        out.add(experts_axis, "all_reduce", 4 * n_experts, 1 if n_experts else 0, "gradient norm of the experts")
+    if lay.tp > 1:
+        out.add("tp", "all_reduce", 4 * n_grads, 1, "gradient norm")
+
+
+def _pipeline(rank: _StepRank, out: _Collectives, loop: bool) -> None:
+    """Activations and their gradients between stages, the loss from the last stage, the norm over stages, a weight
+    tied across stages."""
+    lay, cfg = rank.lay, rank.cfg
+    pp, micro = lay.pp, lay.microbatches
+    message = lay.micro_batch * rank.seq_len * cfg.d_model * rank.stream // lay.tp
+    sends = _remote_neighbours(pp, lay.stages_per_rank, lay.schedule, rank.stage)
+    out.add("pp", "send", message, micro * sends, "PP: activations forward, gradients backward")
+    out.add("pp", "recv", message, micro * sends, "PP: activations and gradients received")
+    out.add("pp", "broadcast", 4, 1 if loop else 0, "PP: loss from the last stage")  # one Lightning batch per step
+    out.add("pp", "all_reduce", 4, 1, "gradient norm over stages")
+    if cfg.tie_embeddings and any(first or last for _, first, last in rank.units):
+        tied = cfg.vocab_size * cfg.d_model // lay.tp // lay.dp_shard * rank.dt.reduce
+        out.add("pp" if pp == 2 else "other", "all_reduce", tied, 1, "tied embedding gradient")
 
 
 def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) -> list[Collective]:
@@ -316,13 +396,13 @@ def outer_collectives(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     lay = layout
     if not lay.diloco:
         return []
-    opts, n, compression = lay.options, lay.dp_replicate, lay.options.diloco_compression
+    opts, n, compression = lay.options.diloco, lay.dp_replicate, lay.options.diloco.compression
     out = []
     what = {"all_reduce": "all-reduced", "all_to_all": "chunks reduce-scattered", "all_gather": "means gathered"}
     for numel in fragment_elements(cfg, lay, stage):  # as parallel/compression.py sends it
         for op, size in exchange_sizes(numel, compression, n):
             out.append(Collective("dp_replicate", op, size, 1, f"DiLoCo pseudo-gradient ({compression}, {what[op]})"))
-    assert len(out) == opts.diloco_fragments * (1 if compression == "fp32" else 2)
+    assert len(out) == opts.fragments * (1 if compression == "fp32" else 2)
     return out
 
 
@@ -353,7 +433,7 @@ def fragment_elements(cfg: GPTConfig, layout: Layout, stage: int | None = None) 
     sizes = dict(named)
     return [
         sum(sizes[name] for name in fragment)
-        for fragment in build_fragments(named, lay.options.diloco_fragments, blocks)
+        for fragment in build_fragments(named, lay.options.diloco.fragments, blocks)
     ]
 
 

@@ -156,59 +156,16 @@ def estimate(
         precision: Lightning's precision string (the dtypes of gathers, reductions and activations).
     """
     lay = layout
-    if cfg.moe.enabled:  # dense parameters and routed experts are laid out apart
-        local = local_params(cfg, lay)
-    else:
-        local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.fsdp_shard)
-    memory = estimate_memory(
-        cfg, lay.dims, lay.options, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch
-    )
+    memory = _memory(cfg, lay, seq_len, precision)
     flops_per_token = flops_per_token_of(cfg, seq_len)
     tokens = global_batch * seq_len
-    compute_s = (
-        flops_per_token
-        * tokens
-        / lay.world
-        * recompute_factor(cfg, lay, seq_len)
-        * precision_factor(cfg, lay, hw, seq_len)
-        / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
-        * memory_factor(hw)
-    ) + float8_cast_bytes(cfg, lay) * tokens / lay.world / (hw.memory_tbps * 1e12)
-
-    dtypes = Dtypes.of(precision)
-    blocks = math.ceil(cfg.n_layers / lay.pp)
-    if lay.dp_shard > 1 and lay.pp > 1:  # stages keep their gathered parameters for the whole schedule
-        whole = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp  # MoE: experts 1 / ep, whole
-        gathered = (gathered_stage_params(cfg, lay) if cfg.moe.enabled else whole) * dtypes.compute
-        memory = replace(memory, buffers=memory.buffers + int(gathered))
-    collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
-    collectives += expert_collectives(cfg, lay, seq_len, precision)  # ep's all-to-alls, never hidden
-    comm: dict[str, dict[str, float]] = {}
-    links: dict[str, tuple[int, float]] = {}  # axis -> (group size, bus bandwidth), worked out once per axis
-    for c in collectives:
-        axis = comm.setdefault(c.axis, {"bytes": 0, "calls": 0, "seconds": 0.0})
-        if c.axis not in links:
-            links[c.axis] = (_group_size(lay, c.axis), _axis_link(hw, lay, c.axis))
-        group, link = links[c.axis]
-        axis["bytes"] += c.bytes
-        axis["calls"] += c.calls
-        axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / link / 1e9
-    for name, axis in comm.items():
-        seconds = axis["seconds"]
-        # prefetched: hidden under compute except the first unit's
-        if name in ("dp_shard", DP_SHARD_CP, EFSDP, EFSDP_CP):
-            axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
-        elif name == "dp_replicate":  # under the backward
-            axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
-        elif name == "tp" and lay.tp_overlap:
-            axis["exposed_s"] = seconds * (1 - TP_OVERLAP)
-        else:
-            axis["exposed_s"] = seconds
+    compute_s = _compute_seconds(cfg, lay, hw, seq_len, tokens)
+    comm = _communication(cfg, lay, hw, seq_len, precision, compute_s)
     bubble = bubble_fraction(lay) if lay.pp > 1 else 0.0
     exposed = sum(c["exposed_s"] for c in comm.values())
     step_s = (compute_s + exposed) / (1 - bubble)
-    if lay.options.cpu_offload:  # the host's part of the step, never hidden (torch's AdamW on the CPU)
-        step_s += offload_seconds(lay, memory.params // 4, blocks)
+    if lay.options.fsdp.cpu_offload:  # the host's part of the step, never hidden (torch's AdamW on the CPU)
+        step_s += offload_seconds(lay, memory.params // 4, math.ceil(cfg.n_layers / lay.pp))
     if lay.diloco:  # after the inner step, outside its bubble
         step_s += _outer_sync(cfg, lay, hw, comm, step_s)
         memory = replace(memory, outer_sync=_outer_sync_bytes(cfg, lay))
@@ -226,8 +183,68 @@ def estimate(
     )
 
 
+def _memory(cfg: GPTConfig, lay: Layout, seq_len: int, precision: str) -> MemoryEstimate:
+    """A rank's memory (:func:`estimate_memory`), with a pipeline stage's parameters kept gathered under FSDP2."""
+    if cfg.moe.enabled:  # dense parameters and routed experts are laid out apart
+        local = local_params(cfg, lay)
+    else:
+        local = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) // (lay.tp * lay.fsdp_shard)
+    memory = estimate_memory(
+        cfg, lay.dims, lay.options, local_params=local, seq_len=seq_len, micro_batch=lay.micro_batch
+    )
+    if lay.dp_shard > 1 and lay.pp > 1:  # stages keep their gathered parameters for the whole schedule
+        whole = stage_params(cfg, lay.pp, lay.stages_per_rank, lay.schedule) / lay.tp  # MoE: experts 1 / ep, whole
+        gathered = (gathered_stage_params(cfg, lay) if cfg.moe.enabled else whole) * Dtypes.of(precision).compute
+        memory = replace(memory, buffers=memory.buffers + int(gathered))
+    return memory
+
+
+def _compute_seconds(cfg: GPTConfig, lay: Layout, hw: HardwareConfig, seq_len: int, tokens: int) -> float:
+    """Seconds of a step's matmuls on one device (recomputation and float8 included), and float8's casts."""
+    return (
+        flops_per_token_of(cfg, seq_len)
+        * tokens
+        / lay.world
+        * recompute_factor(cfg, lay, seq_len)
+        * precision_factor(cfg, lay, hw, seq_len)
+        / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+        * memory_factor(hw)
+    ) + float8_cast_bytes(cfg, lay) * tokens / lay.world / (hw.memory_tbps * 1e12)
+
+
+def _communication(
+    cfg: GPTConfig, lay: Layout, hw: HardwareConfig, seq_len: int, precision: str, compute_s: float
+) -> dict[str, dict[str, float]]:
+    """Per axis: the step's bytes, calls, seconds on its link and the seconds not hidden under compute."""
+    collectives = step_collectives(cfg, lay, seq_len, precision, ddp=lay.ddp)
+    collectives += expert_collectives(cfg, lay, seq_len, precision)  # ep's all-to-alls, never hidden
+    comm: dict[str, dict[str, float]] = {}
+    links: dict[str, tuple[int, float]] = {}  # axis -> (group size, bus bandwidth), worked out once per axis
+    for c in collectives:
+        axis = comm.setdefault(c.axis, {"bytes": 0, "calls": 0, "seconds": 0.0})
+        if c.axis not in links:
+            links[c.axis] = (_group_size(lay, c.axis), _axis_link(hw, lay, c.axis))
+        group, link = links[c.axis]
+        axis["bytes"] += c.bytes
+        axis["calls"] += c.calls
+        axis["seconds"] += c.bytes * BUS_FACTORS[c.op](group) / link / 1e9
+    blocks = math.ceil(cfg.n_layers / lay.pp)
+    for name, axis in comm.items():
+        seconds = axis["seconds"]
+        # prefetched: hidden under compute except the first unit's
+        if name in ("dp_shard", DP_SHARD_CP, EFSDP, EFSDP_CP):
+            axis["exposed_s"] = max(seconds - FSDP_OVERLAP * compute_s, seconds / (blocks + 1))
+        elif name == "dp_replicate":  # under the backward
+            axis["exposed_s"] = max(0.0, seconds - DDP_OVERLAP * compute_s * 2 / 3)
+        elif name == "tp" and lay.tp_overlap:
+            axis["exposed_s"] = seconds * (1 - TP_OVERLAP)
+        else:
+            axis["exposed_s"] = seconds
+    return comm
+
+
 def offload_seconds(lay: Layout, local: int, blocks: int) -> float:
-    """Seconds a step spends on ``parallelism.cpu_offload``: every all-gather of a unit first copies its fp32 shard
+    """Seconds a step spends on ``parallelism.fsdp.cpu_offload``: every all-gather of a unit first copies its fp32 shard
     to the device, each gradient shard comes back, at :data:`PCIE_GBPS`; AdamW runs on the host,
     :data:`ADAMW_HOST_BYTES` per element at :data:`HOST_GBPS`. ``local``: the rank's parameter elements."""
     gathers = 1 if lay.pp > 1 else 2 * lay.microbatches * blocks / (blocks + 1)  # the last unit and root: once
@@ -249,18 +266,18 @@ def _outer_sync(
     Each fragment's exchange blocks (tau = 0) or overlaps tau inner steps of ``inner_s`` (the link otherwise idle);
     the host work (backup copies, the outer SGD) is never hidden: parallel/diloco.py runs it in the step.
     """
-    opts = lay.options
-    every, link = opts.diloco_every, _axis_link(hw, lay, "dp_replicate")
+    opts = lay.options.diloco
+    every, link = opts.every, _axis_link(hw, lay, "dp_replicate")
     outer = outer_collectives(cfg, lay)
     wire = [c.bytes * BUS_FACTORS[c.op](lay.dp_replicate) / link / 1e9 for c in outer]
     # The delay overlaps the exchange's first collective; a compressed one's all-gather of the chunk means runs when
     # the result is applied (parallel/compression.py), exposed.
-    hidden = [0.0 if c.op == "all_gather" else opts.diloco_delay * inner_s for c in outer]
+    hidden = [0.0 if c.op == "all_gather" else opts.delay * inner_s for c in outer]
     exposed = sum(max(0.0, t - h) for t, h in zip(wire, hidden))
     host = sum(fragment_elements(cfg, lay)) * HOST_BYTES_PER_ELEMENT / HOST_GBPS / 1e9
     axis = comm.setdefault("dp_replicate", {"bytes": 0, "calls": 0, "seconds": 0.0, "exposed_s": 0.0})
     axis["bytes"] += sum(c.bytes for c in outer_collectives(cfg, lay)) / every
-    axis["calls"] += opts.diloco_fragments / every
+    axis["calls"] += opts.fragments / every
     axis["seconds"] += sum(wire) / every
     axis["exposed_s"] += (exposed + host) / every
     axis["host_s"] = host / every
@@ -271,7 +288,7 @@ def _outer_sync_bytes(cfg: GPTConfig, lay: Layout) -> int:
     """Device bytes of the largest fragment's exchange (parallel/diloco.py): the fp32 pseudo-gradient and its fp32
     average; compressed, also the padded copy, the payloads sent, received and gathered, and the decompressed rows."""
     numel = max(fragment_elements(cfg, lay))
-    compression = lay.options.diloco_compression
+    compression = lay.options.diloco.compression
     if compression == "fp32":
         return 8 * numel
     return 16 * numel + 3 * payload_bytes(numel, compression)

@@ -4,7 +4,7 @@ train a token budget and what that costs (``lightning-dist-plan plan.tokens=... 
 Time is the budget over the whole job's tokens/s (the layout's tokens/s per device x GPUs); cost is that time in
 hours x the price of one GPU-hour x GPUs. Both columns come from the same search (:func:`lightning_dist.plan.search.
 rank`): "sync" is the fastest layout that fits whose replicas average gradients every step, "DiLoCo" the fastest that
-fits with ``sync=diloco`` at the run's H, F and tau (``parallelism.diloco_*``), any of ``plan.diloco_compressions``.
+fits with ``sync=diloco`` at the run's H, F and tau (``parallelism.diloco``), any of ``plan.diloco_compressions``.
 DiLoCo is only as good as its loss at the same tokens: this curve prices its throughput, not its quality.
 """
 
@@ -15,14 +15,13 @@ from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import DiLoCoOptions
 from lightning_dist.plan.cost import Estimate
 from lightning_dist.plan.search import rank
 
 #: GPU counts when ``plan.gpus`` is empty: one node, then doubling up to this many.
 MAX_GPUS = 1024
 #: The DiLoCo options the planner reads from ``parallelism`` (H, F, tau; compression is searched).
-DILOCO_OPTIONS = ("diloco_every", "diloco_fragments", "diloco_delay")
 
 
 @dataclass(frozen=True)
@@ -87,13 +86,6 @@ def gpu_counts(plan: PlanConfig, gpus_per_node: int) -> list[int]:
     return sorted(set(counts))
 
 
-def diloco_fields(parallelism: Any) -> dict[str, Any]:
-    """H, F and tau from the run's ``parallelism.diloco`` (``every``, ...) as ParallelOptions names
-    (``diloco_every``, ...); ParallelOptions' defaults where the config has none."""
-    defaults, nested = ParallelOptions(), getattr(parallelism, "diloco", None)
-    return {name: getattr(nested, name.removeprefix("diloco_"), getattr(defaults, name)) for name in DILOCO_OPTIONS}
-
-
 def cost_curve(
     model: GPTConfig,
     hw: HardwareConfig,
@@ -102,7 +94,7 @@ def cost_curve(
     plan: PlanConfig,
     tokens: float,
     price_per_gpu_hour: float | None,
-    diloco: dict[str, Any] | None = None,
+    diloco: DiLoCoOptions | None = None,
 ) -> list[Row]:
     """For each of :func:`gpu_counts`, the best layout that fits, synchronous and DiLoCo, priced for ``tokens``.
 
@@ -137,11 +129,11 @@ def short(point: Point | None) -> str:
     parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
     parts.append(lay.ac if lay.ac != "selective" else lay.ac_selective)
     if lay.diloco:
-        o = lay.options
-        parts.append(f"H{o.diloco_every}")
-        if o.diloco_fragments > 1 or o.diloco_delay:
-            parts.append(f"F{o.diloco_fragments} tau{o.diloco_delay}")
-        parts.append(o.diloco_compression)
+        o = lay.options.diloco
+        parts.append(f"H{o.every}")
+        if o.fragments > 1 or o.delay:
+            parts.append(f"F{o.fragments} tau{o.delay}")
+        parts.append(o.compression)
     return " ".join(parts)
 
 

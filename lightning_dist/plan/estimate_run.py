@@ -6,9 +6,7 @@ import statistics
 from typing import Any
 
 from lightning_dist.config.schema import TrainConfig
-from lightning_dist.config.validate import options_of
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.parallel_dims import REPORTED_AXES, ParallelDims
 from lightning_dist.plan.collectives import outer_collectives, per_axis, step_collectives
 from lightning_dist.plan.cost import estimate
@@ -20,17 +18,17 @@ from lightning_dist.plan.memory import GIB
 def layout_of(cfg: TrainConfig, dims: ParallelDims) -> Layout:
     """The planner's :class:`Layout` for ``cfg``'s run under ``dims``: the run's own degrees and options, its batch
     split into micro batches as the strategy splits it."""
-    options = options_of(cfg)
+    options = cfg.parallelism
     per_rank = cfg.data.global_batch_size // dims.dp_size
     if cfg.data.micro_batch_size:
         micro = cfg.data.micro_batch_size
     elif dims.pp_enabled:  # the strategy's default: one microbatch per stage
-        micro = per_rank // options.num_microbatches(dims.pp)
+        micro = per_rank // options.pipeline.num_microbatches(dims.pp)
     else:
         micro = per_rank // cfg.trainer.accumulate_grad_batches
     steps, ddp = per_rank // micro, cfg.parallelism.strategy == "ddp"
     if dims.pp_enabled:  # the pipeline's microbatches
-        return Layout(dims, ParallelOptions.build(options, microbatches=steps), micro, ddp=ddp)
+        return Layout(dims, options.with_fields(microbatches=steps), micro, ddp=ddp)
     return Layout(dims, options, micro, accumulate=steps, ddp=ddp)  # batches Lightning accumulates
 
 
@@ -44,7 +42,7 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
             cfg.model, layout, cfg.hardware, cfg.data.seq_len, cfg.data.global_batch_size, cfg.cluster.precision
         )
         rank0 = None  # not modelled: virtual stages on pp=1, whose local schedule gathers FSDP2 units per pass
-        if not (dims.pp == 1 and cfg.parallelism.stages_per_rank > 1):
+        if not (dims.pp == 1 and cfg.parallelism.pipeline.stages_per_rank > 1):
             planned = step_collectives(
                 cfg.model, layout, cfg.data.seq_len, cfg.cluster.precision, stage=0, ddp=layout.ddp
             )
@@ -75,7 +73,7 @@ def predicted_and_measured(cfg: TrainConfig, dims: ParallelDims, result: dict[st
     if layout.diloco:  # per outer cycle: a step's median misses it (the per-step average is comm_bytes / H)
         cycle = sum(c.bytes for c in outer_collectives(cfg.model, layout, stage=0))
         key = "DiLoCo bytes per outer cycle (H steps) on dp_replicate, rank 0"
-        outer = {key: [cycle, measured_cycle(history, layout.options.diloco_fragments)]}
+        outer = {key: [cycle, measured_cycle(history, layout.options.diloco.fragments)]}
     return {
         **outer,
         "parameters + optimizer state GiB, largest rank": [

@@ -60,11 +60,13 @@ def gathered_stage_params(cfg: GPTConfig, layout: Layout) -> int:
     """Parameters a pipeline rank holds gathered (FSDP2 keeps a stage's units unsharded for the whole schedule), the
     rank holding the most: its dense ones over ``tp``, its MoE blocks' ``E / ep`` experts whole."""
     lay = layout
-    total = lay.pp * lay.options.stages_per_rank
+    total = lay.pp * lay.options.pipeline.stages_per_rank
     split = stage_split(cfg, total)
     counts = []
     for rank in range(lay.pp):
-        layers = [i for sid in stage_ids(rank, lay.pp, lay.options.stages_per_rank, lay.schedule) for i in split[sid]]
+        layers = [
+            i for sid in stage_ids(rank, lay.pp, lay.options.pipeline.stages_per_rank, lay.schedule) for i in split[sid]
+        ]
         moe = sum(cfg.is_moe_layer(i) for i in layers)
         dense = sum(layer_params(cfg, lay.pp)[i] for i in layers) - moe * expert_params(cfg)  # embedding, head too
         counts.append(int(dense / lay.tp + moe * expert_params(cfg) / lay.ep))
@@ -77,14 +79,14 @@ def rank_local_params(cfg: GPTConfig, layout: Layout) -> list[int]:
     ``1 / ep`` each FSDP2-sharded over ``efsdp x cp``; FSDP2's dim-0 padding counted for the routers and experts,
     whose rows are few (the largest rank's count, the first of a group)."""
     lay, h = layout, cfg.d_model
-    total = lay.pp * lay.options.stages_per_rank
+    total = lay.pp * lay.options.pipeline.stages_per_rank
     split = stage_split(cfg, total) if total > 1 else [list(range(cfg.n_layers))]
     shard = lay.fsdp_shard
     router = -(-cfg.moe.num_experts // shard) * h  # (E, C), dim 0 padded to the FSDP2 group
     experts = expert_shard(cfg, lay.ep, lay.dp_shard, lay.cp)
     counts = []
     for rank in range(lay.pp):
-        ids = stage_ids(rank, lay.pp, lay.options.stages_per_rank, lay.schedule) if total > 1 else [0]
+        ids = stage_ids(rank, lay.pp, lay.options.pipeline.stages_per_rank, lay.schedule) if total > 1 else [0]
         layers = [i for sid in ids for i in split[sid]]
         moe = sum(cfg.is_moe_layer(i) for i in layers)
         blocks = (len(layers) - moe) * block_params(cfg) + moe * (moe_dense_params(cfg) - cfg.moe.num_experts * h)

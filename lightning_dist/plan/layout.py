@@ -2,7 +2,7 @@
 
 A layout is built on the objects the strategy runs: its degrees are a
 :class:`~lightning_dist.parallel_dims.ParallelDims` and how its axes work (pipeline schedule and microbatches,
-activation checkpointing, sequence and loss parallelism) a :class:`~lightning_dist.parallel.options.ParallelOptions`,
+activation checkpointing, sequence and loss parallelism) a :class:`~lightning_dist.parallel.options.Parallelism`,
 each validated when built, so a layout the strategy would refuse cannot be planned. Next to them is only what the
 planner alone has: the micro batch, Lightning's gradient accumulation (without a pipeline), and two ways of running
 that the mesh strategy does not (TP overlapped with the matmuls, Lightning's DDP).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel.pipeline import balanced_split
 from lightning_dist.parallel_dims import AXES, DP_AXES, ParallelDims
 from lightning_dist.plan.memory import block_params
@@ -28,7 +28,7 @@ from lightning_dist.plan.moe_memory import expert_params, moe_dense_params
 #: The degrees in the plan's JSON: the data-parallel axes, then the others innermost first (dp_replicate, dp_shard,
 #: tp, cp, pp).
 JSON_DEGREES: tuple[str, ...] = (*DP_AXES, *(axis for axis in reversed(AXES) if axis not in DP_AXES))
-#: The DiLoCo options that change its cost (``diloco_<name>`` fields of ParallelOptions), in the plan's JSON.
+#: The DiLoCo options that change its cost (``parallelism.diloco.<name>``), in the plan's JSON as ``diloco_<name>``.
 DILOCO_FIELDS: tuple[str, ...] = ("every", "fragments", "delay", "compression")
 
 
@@ -43,19 +43,19 @@ class Layout:
             sequence and loss parallelism.
         micro_batch: Samples per forward (under pp, one pipeline microbatch).
         accumulate: Micro batches Lightning accumulates per optimizer step (``trainer.accumulate_grad_batches``);
-            1 under pp, whose micro batches are the pipeline's (``options.microbatches``).
+            1 under pp, whose micro batches are the pipeline's (``options.pipeline.microbatches``).
         tp_overlap: TP collectives overlapped with the matmuls (Megatron's ``--tp-comm-overlap``, async TP).
         ddp: Lightning's ``DDPStrategy`` (``parallelism=ddp``) rather than the mesh strategy's replicas.
 
-    DiLoCo (``options.sync="diloco"``, its ``diloco_*`` fields) is an option like the others: the replicas on
-    ``dp_replicate`` train apart and meet every ``diloco_every`` steps (:mod:`lightning_dist.plan.collectives`).
+    DiLoCo (``options.sync="diloco"``, its ``diloco`` section) is an option like the others: the replicas on
+    ``dp_replicate`` train apart and meet every ``diloco.every`` steps (:mod:`lightning_dist.plan.collectives`).
 
     Raises:
         ValueError: The layout cannot run (the degrees, the options, or the two together; one line naming the fix).
     """
 
     dims: ParallelDims
-    options: ParallelOptions
+    options: Parallelism
     micro_batch: int
     accumulate: int = 1
     tp_overlap: bool = False
@@ -69,11 +69,13 @@ class Layout:
         if self.dims.pp_enabled and self.accumulate != 1:
             raise ValueError(
                 f"accumulate={self.accumulate} with pp={self.pp}: a pipeline accumulates over its microbatches; set "
-                "options.microbatches instead."
+                "options.pipeline.microbatches instead."
             )
         if self.ddp and self.dims.dp_replicate != self.dims.world_size:
             raise ValueError(f"ddp=True replicates the whole model but the layout is {self.dims.describe()}.")
-        if self.ddp and self.options.diloco:  # Lightning's reducer averages every step (strategies/data_parallel.py)
+        if (
+            self.ddp and self.options.diloco_enabled
+        ):  # Lightning's reducer averages every step (strategies/data_parallel.py)
             raise ValueError("ddp=True averages gradients every step; sync=diloco runs on the mesh strategy only.")
         self.options.check(self.dims)
 
@@ -83,11 +85,12 @@ class Layout:
     ) -> Layout:
         """A layout from the planner's numbers: ``microbatches`` are the micro batches per optimizer step (the
         pipeline's under pp, else the ones Lightning accumulates); ``fields`` are the degrees (``dp_replicate``,
-        ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``; 1 when not given) and :class:`ParallelOptions` fields."""
+        ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``; 1 when not given) and :class:`Parallelism` options (a
+        section's field by its own name: :meth:`Parallelism.with_fields`)."""
         degrees = {axis: fields.pop(axis, 1) for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
         ep = degrees.pop("ep")
         dims = ParallelDims(math.prod(degrees.values()), **degrees, ep=ep)
-        options = ParallelOptions(microbatches=microbatches if dims.pp > 1 else None, **fields)
+        options = Parallelism().with_fields(microbatches=microbatches if dims.pp > 1 else None, **fields)
         accumulate = 1 if dims.pp > 1 else microbatches
         return cls(dims, options, micro_batch, accumulate, tp_overlap=tp_overlap, ddp=ddp)
 
@@ -127,31 +130,31 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        return self.options.schedule
+        return self.options.pipeline.schedule
 
     @property
     def stages_per_rank(self) -> int:
-        return self.options.stages_per_rank
+        return self.options.pipeline.stages_per_rank
 
     @property
     def microbatches(self) -> int:
         """Micro batches per optimizer step: the pipeline's (pp > 1), else the ones Lightning accumulates."""
-        return self.options.num_microbatches(self.dims.pp) if self.dims.pp_enabled else self.accumulate
+        return self.options.pipeline.num_microbatches(self.dims.pp) if self.dims.pp_enabled else self.accumulate
 
     @property
     def ac(self) -> str:
         """Activation checkpointing: ``none``, ``selective`` or ``full``."""
-        return self.options.activation_checkpointing
+        return self.options.activation_checkpointing.mode
 
     @property
     def ac_selective(self) -> str:
         """For ``ac="selective"``: ``op`` (keep matmul outputs), ``op_half`` (every other) or ``<n>``."""
-        return self.options.ac_selective
+        return self.options.activation_checkpointing.selective
 
     @property
     def diloco(self) -> bool:
         """Whether the replicas on ``dp_replicate`` train apart and meet in DiLoCo's outer steps."""
-        return self.options.diloco
+        return self.options.diloco_enabled
 
     @property
     def sync(self) -> str:
@@ -160,11 +163,11 @@ class Layout:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.options.sequence_parallel
+        return self.options.tensor.sequence_parallel
 
     @property
     def loss_parallel(self) -> bool:
-        return self.options.loss_parallel
+        return self.options.tensor.loss_parallel
 
     # ------------------------------------------------------------------------------------------------- output
     def to_json(self) -> dict[str, Any]:
@@ -186,11 +189,7 @@ class Layout:
             "sync": self.sync,
             "float8": self.options.float8,
             "loss_chunks": self.options.loss_chunks,
-            **(
-                {f"diloco_{key}": getattr(self.options, f"diloco_{key}") for key in DILOCO_FIELDS}
-                if self.diloco
-                else {}
-            ),
+            **({f"diloco_{key}": getattr(self.options.diloco, key) for key in DILOCO_FIELDS} if self.diloco else {}),
         }
 
     def describe(self) -> str:
@@ -207,8 +206,8 @@ class Layout:
         """`` diloco H=50 F=1 tau=0 int8`` under DiLoCo, else ``""``."""
         if not self.diloco:
             return ""
-        o = self.options
-        return f" diloco H={o.diloco_every} F={o.diloco_fragments} tau={o.diloco_delay} {o.diloco_compression}"
+        o = self.options.diloco
+        return f" diloco H={o.every} F={o.fragments} tau={o.delay} {o.compression}"
 
 
 # ------------------------------------------------------------------------------------------------ stage split

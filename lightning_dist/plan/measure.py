@@ -1,29 +1,32 @@
 """What one rank's forward keeps for its backward, measured on real tensors: the check of the planner's activations.
 
-:func:`measure_activations` runs in a rank of a launched job (gloo on CPU): it builds the model and lays it out
-through the strategy's own parallelize path (TP, context parallelism, activation checkpointing, FSDP2), cuts one
-micro batch for its cp rank as the strategy does, and runs the loss's forward under saved-tensor hooks
-(:class:`SavedBytes`), which count every tensor autograd keeps for the backward (by storage: a view keeps all of
-its base alive). Parameters (FSDP2's gathered ones included) are not activations and are left out.
+:func:`measure_activations` runs in a rank of a launched job (gloo on CPU): it builds the model, lays it out
+through the strategies' own path (:func:`~lightning_dist.parallel.lay_out.lay_out`: TP, context parallelism,
+activation checkpointing, FSDP2), and runs one micro batch through the step's own forward and backward
+(:func:`~lightning_dist.parallel.step.forward_backward`: this cp rank's part of it), its forward under saved-tensor
+hooks (:class:`SavedBytes`), which count every tensor autograd keeps for the backward (by storage: a view keeps all
+of its base alive). Parameters (FSDP2's gathered ones included) are not activations and are left out.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_dist import _compat
+from lightning_dist import _compat, contract
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import TrainConfig
-from lightning_dist.config.validate import build_parallel_dims, options_of
-from lightning_dist.parallel.context import shard_batch
-from lightning_dist.strategies import build_strategy
+from lightning_dist.config.validate import build_parallel_dims
+from lightning_dist.parallel import step
+from lightning_dist.parallel.data import param_dtype_of
+from lightning_dist.parallel.lay_out import lay_out
 
 
 class SavedBytes:
@@ -119,26 +122,29 @@ def measure_activations(cfg: TrainConfig, seed: int = 0) -> dict[str, int]:
         dims = build_parallel_dims(cfg)
         mesh = dims.build_mesh("cpu")
         module = build_module(cfg)
-        strategy = build_strategy(cfg.parallelism.strategy, dims, options_of(cfg))
-        environment = LightningEnvironment()
-        environment.set_world_size(dims.world_size)
-        environment.set_global_rank(dist.get_rank())
-        strategy.cluster_environment, strategy.parallel_devices = environment, [torch.device("cpu")] * dims.world_size
-        if cfg.cluster.precision == "bf16-mixed":
-            strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
-        _compat.set_device_mesh(strategy, module, mesh)
+        _compat.set_device_mesh(None, module, mesh)
         torch.manual_seed(seed)
         module.configure_model()
-        strategy.parallelize_module(module)
+        precision = cfg.cluster.precision
+        declared = contract.declared(module, dims, cfg.parallelism)
+        rank, device = dist.get_rank(), torch.device("cpu")
+        lay_out(
+            module, dims, cfg.parallelism, declared, rank=rank, device=device, param_dtype=param_dtype_of(precision)
+        )
         micro = cfg.data.micro_batch_size or 1
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len + 1), generator=generator)
-        batch = shard_batch((tokens[:, :-1], tokens[:, 1:]), dims.cp, mesh["cp"].get_local_rank())
-        with SavedBytes() as saved, strategy.precision_plugin.forward_context(), strategy.loss_context():
-            loss = module.compute_loss(batch)
-        with strategy.loss_context():
-            loss.backward()
-        return {"saved_bytes": saved.bytes, "tokens": batch[0].numel()}
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        saved = SavedBytes()
+        autocast = MixedPrecision("bf16-mixed", "cpu").forward_context if precision == "bf16-mixed" else nullcontext
+
+        @contextmanager
+        def forward_context() -> Iterator[None]:  # what the forward keeps, under the run's autocast
+            with saved, autocast():
+                yield
+
+        step.forward_backward(module.compute_loss, batch, dims, cfg.parallelism, forward_context=forward_context)
+        return {"saved_bytes": saved.bytes, "tokens": step.local_batch(batch, dims)[0].numel()}
     finally:
         dist.destroy_process_group()
 

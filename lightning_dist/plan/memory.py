@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.lora_config import NF4_BYTES_PER_PARAM
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.moe_memory import (
     expert_params,
@@ -150,7 +150,7 @@ def block_activation_elements(
 def estimate_memory(
     cfg: GPTConfig,
     dims: ParallelDims,
-    options: ParallelOptions,
+    options: Parallelism,
     *,
     local_params: int,
     seq_len: int,
@@ -171,45 +171,13 @@ def estimate_memory(
         margin: Allocator fragmentation margin on the total.
     """
     tp, dp_shard, pp, cp = dims.tp, dims.dp_shard, dims.pp, dims.cp
-    activation_checkpointing, ac_selective = options.activation_checkpointing, options.ac_selective
-    microbatches, schedule = options.num_microbatches(pp), options.schedule
     tokens = micro_batch * seq_len // cp  # this rank's tokens of a micro batch
     blocks = -(-cfg.n_layers // pp)
-    in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
-    per_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective)
-    moe = moe_layers(cfg, range(blocks))  # the first stage's MoE blocks (the first moe.dense_layers are dense)
-    if moe:
-        moe_block = block_activation_elements(cfg, tp, activation_checkpointing, ac_selective, True, dims.ep)
-        per_block = ((blocks - moe) * per_block + moe * moe_block) / blocks
-    activations = in_flight * tokens * (blocks * per_block + cfg.d_model / tp) * ACT_BYTES
-    extra = cp_block_extra(cfg, tp, cp, seq_len, micro_batch)
-    activations += in_flight * _uncheckpointed(blocks, activation_checkpointing, ac_selective) * extra
-    if activation_checkpointing != "none":  # one block recomputed whole during backward
-        whole = block_activation_elements(cfg, tp, "none", moe=moe > 0, ep=dims.ep)  # the larger block, if MoE
-        activations += tokens * whole * ACT_BYTES + extra
-    if cp > 1:
-        activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
     chunk = -(-tokens // max(1, options.loss_chunks))  # the tokens whose logits are alive at once
     logits = int(chunk * cfg.vocab_size / tp * LOGIT_BYTES)
     qlora = cfg.lora.enabled and cfg.lora.quantize is not None
     # QLoRA: the blocks' linear weights stay whole on every rank, in NF4 (FSDP2 leaves them alone: models/qlora.py)
     linears = blocks * block_linear_params(cfg) / tp if qlora else 0
-    buffers = 0
-    if dp_shard * cp > 1:
-        # Two gathered units (the current one and the prefetched next: a block, or the embedding + head) and one
-        # unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible).
-        root = 2 * cfg.vocab_size * cfg.d_model / tp
-        f8 = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
-        unit = (block_params(cfg) - (block_linear_params(cfg) if qlora else 0)) / tp  # a QLoRA base: never gathered
-        if moe:  # an MoE block and its experts (whole on every tp rank; E / ep of them): the largest unit
-            unit = max(unit, moe_dense_params(cfg) / tp + expert_params(cfg) / dims.ep)
-        gathered = max((unit - f8 / tp) * 2 + f8 / tp, root * 2)
-        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(unit, root)
-        buffers = int(2 * gathered + unsharded_grad)
-        if options.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
-            buffers += int(4 * max(unit, root) / (dp_shard * cp))
-    if qlora:  # one weight dequantized at a time, for its matmul (and again in the backward)
-        buffers += int(4 * cfg.d_model * cfg.hidden_dim / tp)
     trainable = local_params
     base_bytes = 0
     if cfg.lora.enabled:  # LoRA: gradients and AdamW moments for the adapters only; the base is held frozen
@@ -222,12 +190,59 @@ def estimate_memory(
         params=local_params * STATE_BYTES_PER_PARAM["params"] + base_bytes,
         grads=trainable * STATE_BYTES_PER_PARAM["grads"],
         optimizer=trainable * STATE_BYTES_PER_PARAM["optimizer"],
-        activations=int(activations),
+        activations=int(_activations(cfg, dims, options, seq_len, micro_batch)),
         logits=logits,
-        buffers=buffers,
+        buffers=_buffers(cfg, dims, options, qlora),
         margin=margin,
-        offloaded=options.cpu_offload,
+        offloaded=options.fsdp.cpu_offload,
     )
+
+
+def _activations(cfg: GPTConfig, dims: ParallelDims, options: Parallelism, seq_len: int, micro_batch: int) -> float:
+    """Bytes the first pipeline stage's forwards keep for their backward: its blocks (checkpointed as ``options``
+    say) for every microbatch in flight, one block recomputed whole, and context parallelism's gathered keys."""
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
+    ac = options.activation_checkpointing
+    microbatches, schedule = options.pipeline.num_microbatches(pp), options.pipeline.schedule
+    tokens = micro_batch * seq_len // cp  # this rank's tokens of a micro batch
+    blocks = -(-cfg.n_layers // pp)
+    in_flight = 1 if pp == 1 else (microbatches if schedule in ALL_IN_FLIGHT else min(microbatches, pp))
+    per_block = block_activation_elements(cfg, tp, ac.mode, ac.selective)
+    moe = moe_layers(cfg, range(blocks))  # the first stage's MoE blocks (the first moe.dense_layers are dense)
+    if moe:
+        moe_block = block_activation_elements(cfg, tp, ac.mode, ac.selective, True, dims.ep)
+        per_block = ((blocks - moe) * per_block + moe * moe_block) / blocks
+    activations = in_flight * tokens * (blocks * per_block + cfg.d_model / tp) * ACT_BYTES
+    extra = cp_block_extra(cfg, tp, cp, seq_len, micro_batch)
+    activations += in_flight * _uncheckpointed(blocks, ac.mode, ac.selective) * extra
+    if ac.mode != "none":  # one block recomputed whole during backward
+        whole = block_activation_elements(cfg, tp, "none", moe=moe > 0, ep=dims.ep)  # the larger block, if MoE
+        activations += tokens * whole * ACT_BYTES + extra
+    if cp > 1:
+        activations += 8 * seq_len  # the int64 order of the gathered tokens, one for every block
+    return activations
+
+
+def _buffers(cfg: GPTConfig, dims: ParallelDims, options: Parallelism, qlora: bool) -> int:
+    """FSDP2's buffers: two gathered units (the current one and the prefetched next: a block, or the embedding +
+    head) and one unit's fp32 unsharded gradient (none for a frozen base under LoRA: the adapters' are negligible);
+    QLoRA's one weight dequantized at a time."""
+    tp, dp_shard, cp = dims.tp, dims.dp_shard, dims.cp
+    buffers = 0
+    if dp_shard * cp > 1:
+        root = 2 * cfg.vocab_size * cfg.d_model / tp
+        f8 = block_linear_params(cfg) if options.float8 == "tensorwise" else 0  # gathered in float8
+        unit = (block_params(cfg) - (block_linear_params(cfg) if qlora else 0)) / tp  # a QLoRA base: never gathered
+        if moe_layers(cfg, range(-(-cfg.n_layers // dims.pp))):  # an MoE block and its experts (E / ep): the largest
+            unit = max(unit, moe_dense_params(cfg) / tp + expert_params(cfg) / dims.ep)
+        gathered = max((unit - f8 / tp) * 2 + f8 / tp, root * 2)
+        unsharded_grad = 0 if cfg.lora.enabled else 4 * max(unit, root)
+        buffers = int(2 * gathered + unsharded_grad)
+        if options.fsdp.cpu_offload:  # FSDP2 copies a unit's fp32 shard to the device for its all-gather
+            buffers += int(4 * max(unit, root) / (dp_shard * cp))
+    if qlora:  # one weight dequantized at a time, for its matmul (and again in the backward)
+        buffers += int(4 * cfg.d_model * cfg.hidden_dim / tp)
+    return buffers
 
 
 def cp_block_extra(cfg: GPTConfig, tp: int, cp: int, seq_len: int, micro_batch: int) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
+from lightning_dist.parallel.options import ActivationCheckpointOptions
 from lightning_dist.plan.cost import GIB, Estimate, estimate, flops_per_token_of
 from lightning_dist.plan.layout import Layout
 
@@ -99,7 +100,7 @@ def _llama405b(dp: int, per_dp: int, tflops: float, known_miss: str | None = Non
         pp=16,
         schedule="Interleaved1F1B",
         stages_per_rank=2,
-        activation_checkpointing="selective",
+        activation_checkpointing=ActivationCheckpointOptions("selective"),
     )
     tokens = tflops * 1e12 / flops_per_token_of(LLAMA3_405B, 8192)
     return Published(
@@ -115,7 +116,7 @@ def _llama405b(dp: int, per_dp: int, tflops: float, known_miss: str | None = Non
 
 
 #: torchtitan's selective activation checkpointing: every second matmul of a block recomputed.
-_TT_AC = {"activation_checkpointing": "selective", "ac_selective": "op_half"}
+_TT_AC = {"activation_checkpointing": ActivationCheckpointOptions("selective", "op_half")}
 
 PUBLISHED: list[Published] = [
     Published(
@@ -146,7 +147,7 @@ PUBLISHED: list[Published] = [
         "torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, LBS 16, full AC, compile",
         TORCHTITAN_ASYNC_TP,
         LLAMA3_70B,
-        Layout.of(16, 1, dp_shard=32, tp=8, activation_checkpointing="full"),
+        Layout.of(16, 1, dp_shard=32, tp=8, activation_checkpointing=ActivationCheckpointOptions("full")),
         8192,
         512,
         597.3,

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 from lightning_dist.config.schema import HardwareConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions
 from lightning_dist.plan.cost import Estimate, estimate
 from lightning_dist.plan.layout import Layout
 from lightning_dist.plan.memory import GIB
@@ -39,7 +38,7 @@ def option_effects(cfg: GPTConfig, hw: HardwareConfig, seq_len: int, global_batc
 
 
 def _estimate(cfg: GPTConfig, hw: HardwareConfig, seq_len: int, batch: int, lay: Layout, **fields: object) -> Estimate:
-    return estimate(cfg, replace(lay, options=ParallelOptions.build(lay.options, **fields)), hw, seq_len, batch)
+    return estimate(cfg, replace(lay, options=lay.options.with_fields(**fields)), hw, seq_len, batch)
 
 
 def _speed(on: Estimate, off: Estimate) -> str:

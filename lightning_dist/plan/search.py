@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.models.gpt import GPTConfig
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import ActivationCheckpointOptions, DiLoCoOptions, Parallelism
 from lightning_dist.parallel.schedules import SCHEDULES, check_microbatches
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.cost import Estimate, estimate
@@ -28,7 +29,7 @@ def layouts(
     global_batch: int,
     gpus_per_node: int,
     plan: PlanConfig,
-    diloco: Mapping[str, Any] | None = None,
+    diloco: DiLoCoOptions | None = None,
     seq_len: int | None = None,
     context_parallel: bool = False,
     fixed: Mapping[str, Any] | None = None,
@@ -46,11 +47,11 @@ def layouts(
       multi-stage ones) where torch accepts the microbatches and the layers split evenly;
     - activation checkpointing none, selective (op: every matmul output kept; op_half: every other) and full;
     - with replicas, each sync of ``plan.syncs``: every step, or DiLoCo with the run's H, F and tau (``diloco``:
-      ``ParallelOptions``' ``diloco_*`` fields) and each of ``plan.diloco_compressions``. H is not searched: it
+      the run's ``parallelism.diloco``) and each of ``plan.diloco_compressions``. H is not searched: it
       trades quality for speed, and larger always looks faster to a throughput model;
     - with MoE blocks, ep dividing both ``dp_shard`` and the experts (1 included: the experts FSDP2-sharded as the
       rest);
-    - ``fixed``: ParallelOptions fields every layout takes as the run sets them (``float8``, ``loss_chunks``,
+    - ``fixed``: Parallelism options every layout takes as the run sets them (``float8``, ``loss_chunks``,
       ``cpu_offload``: then only layouts with FSDP2 shards).
     """
     syncs = _syncs(plan, diloco)
@@ -99,7 +100,7 @@ def _with_options(
     per_rank: int,
     plan: PlanConfig,
     syncs: list[dict[str, Any]],
-    diloco: Mapping[str, Any] | None,
+    diloco: DiLoCoOptions | None,
     fixed: Mapping[str, Any],
 ) -> Iterator[Layout]:
     """Every micro batch, schedule, activation checkpointing and sync of one set of degrees."""
@@ -115,12 +116,11 @@ def _with_options(
             for ac, selective in AC_MODES:
                 diloco_ok = replicate > 1 and cfg.n_layers // pp >= _fragments(diloco) and dims.ep == 1
                 for sync in syncs if diloco_ok else [{}]:  # DiLoCo over expert-parallel replicas: not written
-                    options = ParallelOptions(
+                    options = Parallelism().with_fields(
                         schedule=schedule,
                         microbatches=microbatches,
                         stages_per_rank=v,
-                        activation_checkpointing=ac,
-                        ac_selective=selective,
+                        activation_checkpointing=ActivationCheckpointOptions(ac, selective),
                         **sync,
                         **fixed,
                     )
@@ -134,7 +134,7 @@ def rank(
     seq_len: int,
     global_batch: int,
     plan: PlanConfig,
-    diloco: Mapping[str, Any] | None = None,
+    diloco: DiLoCoOptions | None = None,
     context_parallel: bool = False,
     fixed: Mapping[str, Any] | None = None,
 ) -> list[Estimate]:
@@ -148,24 +148,23 @@ def rank(
     return sorted(found, key=lambda e: (not e.fits, -e.tokens_per_sec_per_device, e.layout.diloco, e.memory.total))
 
 
-def _syncs(plan: PlanConfig, diloco: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """The ParallelOptions fields of each sync searched (``{}``: every step)."""
+def _syncs(plan: PlanConfig, diloco: DiLoCoOptions | None) -> list[dict[str, Any]]:
+    """The Parallelism options of each sync searched (``{}``: every step)."""
     out: list[dict[str, Any]] = []
     for sync in plan.syncs:
         if sync == "every_step":
             out.append({})
         elif sync == "diloco":
-            fields = {key: value for key, value in (diloco or {}).items() if key != "diloco_compression"}
             for compression in plan.diloco_compressions:
-                out.append({"sync": "diloco", **fields, "diloco_compression": compression})
+                out.append({"sync": "diloco", "diloco": replace(diloco or DiLoCoOptions(), compression=compression)})
         else:
             raise ValueError(f"plan.syncs has {sync!r}; use every_step and / or diloco.")
     return out
 
 
-def _fragments(diloco: Mapping[str, Any] | None) -> int:
+def _fragments(diloco: DiLoCoOptions | None) -> int:
     """DiLoCo fragments: a pipeline rank needs a block for each."""
-    return int((diloco or {}).get("diloco_fragments", 1))
+    return diloco.fragments if diloco is not None else 1
 
 
 def _divisors(n: int) -> list[int]:

@@ -83,9 +83,9 @@ def expert_tensors(cfg: GPTConfig, ep: int) -> list[Tensor]:
 
 def moe_blocks_of_stage(cfg: GPTConfig, layout: Layout, stage: int) -> int:
     """MoE blocks pipeline rank ``stage`` holds (the first ``moe.dense_layers`` blocks of the model are dense)."""
-    total = layout.pp * layout.options.stages_per_rank
+    total = layout.pp * layout.options.pipeline.stages_per_rank
     if total == 1:
         return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     split = stage_split(cfg, total)
-    mine = stage_ids(stage, layout.pp, layout.options.stages_per_rank, layout.schedule)
+    mine = stage_ids(stage, layout.pp, layout.options.pipeline.stages_per_rank, layout.schedule)
     return sum(cfg.is_moe_layer(i) for sid in mine for i in split[sid])

@@ -1,12 +1,14 @@
 """One rank of a real-size layout, traced on this machine: the model on the meta device, torch's fake process-group
-backend for the world, and the strategy's own parallelize path (TP, CP, activation checkpointing, FSDP2, pipeline
-split). Nothing is allocated and no collective runs; what the rank would hold is read from its shards' shapes.
+backend for the world, and the strategies' own layout path (:func:`~lightning_dist.parallel.lay_out.lay_out`: TP,
+CP, activation checkpointing, FSDP2, pipeline split). Nothing is allocated and no collective runs; what the rank would
+hold is read from its shards' shapes.
 
 With ``step=True`` the rank then runs one optimizer step on fake tensors (``FakeTensorMode``: shapes and dtypes
-only): every micro batch's forward and backward, the gradient norm and AdamW, with the telemetry's
-:class:`~lightning_dist.telemetry.comm.CommTracker` counting each collective it issues on the fake backend.
-Lightning's loop is not run, so its per-batch scalars (:func:`~lightning_dist.plan.collectives.step_collectives`
-with ``loop=False``) are not in the trace.
+only) through the step's own functions (:mod:`lightning_dist.parallel.step`): every micro batch's forward and
+backward, the gradients finished as in training (the experts' load, partial sums, the norm), and AdamW, with the
+telemetry's :class:`~lightning_dist.telemetry.comm.CommTracker` counting each collective it issues on the fake
+backend. Lightning's loop is not run, so its per-batch scalars (:func:`~lightning_dist.plan.collectives.
+step_collectives` with ``loop=False``) are not in the trace.
 
 Run it in a fresh process (it initializes ``torch.distributed``): ``lightning-dist-plan plan.trace=true`` spawns one.
 """
@@ -19,21 +21,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_dist import _compat
+from lightning_dist import _compat, contract
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import TrainConfig
-from lightning_dist.config.validate import build_parallel_dims, options_of, split_batch
-from lightning_dist.parallel.clip import clip_grad_norm_
-from lightning_dist.parallel.context import shard_batch
+from lightning_dist.config.validate import build_parallel_dims, split_batch
+from lightning_dist.parallel import step
+from lightning_dist.parallel.data import param_dtype_of
+from lightning_dist.parallel.declared import Declared
 from lightning_dist.parallel.expert import ExpertDispatch
-from lightning_dist.parallel.tensor import reduce_partial_grads
-from lightning_dist.parallel_dims import REPORTED_AXIS
-from lightning_dist.strategies import build_strategy
+from lightning_dist.parallel.lay_out import lay_out
+from lightning_dist.parallel.pipeline_stages import PipelineStages
+from lightning_dist.parallel_dims import REPORTED_AXIS, ParallelDims
 from lightning_dist.telemetry.comm import CommTracker, axis_groups_from_mesh
 from lightning_dist.telemetry.throughput import model_state_bytes
 
@@ -70,26 +71,29 @@ def trace_rank(
     dims = build_parallel_dims(cfg)
     per_rank = cfg.data.global_batch_size // dims.dp_size
     split = split_batch(cfg, dims, per_rank)
-    par = replace(cfg.parallelism, microbatches=split.microbatches)
+    par = replace(cfg.parallelism, pipeline=replace(cfg.parallelism.pipeline, microbatches=split.microbatches))
     cfg = replace(cfg, parallelism=par, data=replace(cfg.data, micro_batch_size=split.micro_batch_size))
     _compat.init_fake_process_group(rank, dims.world_size)
     try:
         mesh = dims.build_mesh("cpu")
         module = build_module(cfg)
-        strategy = build_strategy(cfg.parallelism.strategy, dims, options_of(cfg))
-        environment = LightningEnvironment()
-        environment.set_world_size(dims.world_size)
-        environment.set_global_rank(rank)
-        strategy.cluster_environment, strategy.parallel_devices = environment, [torch.device("cpu")]
-        if cfg.cluster.precision == "bf16-mixed":
-            strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
-        _compat.set_device_mesh(strategy, module, mesh)
+        _compat.set_device_mesh(None, module, mesh)
         with torch.device("meta"):
             module.configure_model()
-        strategy.parallelize_module(module, materialize=False)
-        pipeline = strategy.pipeline
+        declared = contract.declared(module, dims, par)
+        laid = lay_out(
+            module,
+            dims,
+            par,
+            declared,
+            rank=rank,
+            device=torch.device("cpu"),
+            param_dtype=param_dtype_of(cfg.cluster.precision),
+            materialize=False,
+        )
+        pipeline = laid.pipeline
         params = {id(p): p for p in module.parameters()}.values()
-        extra = _fake_step(cfg, strategy, module, mesh, per_rank, memory) if step else {}
+        extra = _fake_step(cfg, dims, module, declared, pipeline, per_rank, memory) if step else {}
         if states and not step:
             extra = _fake_states(module)
         return RankTrace(
@@ -109,36 +113,48 @@ def _local(param: Any) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _fake_step(cfg: TrainConfig, strategy: Any, module: Any, mesh: Any, per_rank: int, memory: bool) -> dict[str, Any]:
-    """One optimizer step of the parallelized ``module`` on fake tensors, its collectives counted."""
-    if strategy.pipeline is not None:  # the schedule's P2P warm-up vote reads a tensor (.item()): not fakeable
+def _fake_step(
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    module: Any,
+    declared: Declared,
+    pipeline: PipelineStages | None,
+    per_rank: int,
+    memory: bool,
+) -> dict[str, Any]:
+    """One optimizer step of the laid-out ``module`` on fake tensors, through the step's own functions
+    (:mod:`lightning_dist.parallel.step`), its collectives counted."""
+    if pipeline is not None:  # the schedule's P2P warm-up vote reads a tensor (.item()): not fakeable
         raise ValueError("plan.trace steps whole-model layouts; a pipeline rank is traced for its parameters only.")
     micro = cfg.data.micro_batch_size or per_rank
     seq = cfg.data.seq_len
-    tracker = CommTracker(axis_groups_from_mesh(mesh), timing=False)
+    tracker = CommTracker(axis_groups_from_mesh(dims.mesh), timing=False)
+    mixed = cfg.cluster.precision == "bf16-mixed"  # Lightning's autocast, as in training
+    forward_context = MixedPrecision("bf16-mixed", "cpu").forward_context if mixed else contextlib.nullcontext
     with _compat.fake_tensor_mode(allow_non_fake_inputs=True), _balanced_dispatch():
         module.to_empty(device="cpu")  # fake tensors with the meta shapes: nothing is allocated
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
         vocab = module.hf_model_config.vocab_size if hasattr(module, "hf_model_config") else cfg.model.vocab_size
         tokens = torch.randint(0, vocab, (micro, seq + 1))
-        dims = strategy.parallel_dims  # under cp, this rank's head and tail chunks, as the strategy cuts a batch
-        batch = shard_batch((tokens[:, :-1], tokens[:, 1:]), dims.cp, mesh["cp"].get_local_rank())
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        mem = _memory_tracker(module, optimizer, batch) if memory else None
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        mem = _memory_tracker(module, optimizer, step.local_batch(batch, dims)) if memory else None
+        steps = per_rank // micro
         with tracker, mem if mem is not None else contextlib.nullcontext():
-            for index in range(per_rank // micro):
-                last = index == per_rank // micro - 1
+            for index in range(steps):
                 if mem is not None and index:
                     mem.reset_mod_stats()  # it follows each module once per step; the peak is kept
-                for unit in units:  # accumulate: FSDP2 reduces on the last micro batch only, as in training
-                    unit.set_requires_gradient_sync(last, recurse=False)
-                with strategy.precision_plugin.forward_context(), strategy.loss_context():  # autocast, as Lightning
-                    loss = module.compute_loss(batch)
-                with strategy.loss_context():
-                    loss.backward()
-            reduce_partial_grads(module.parameters())
-            pp_group = strategy.parallel_dims.group("pp") if strategy.parallel_dims.pp_enabled else None
-            clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val, pp_group)
+                # accumulate: FSDP2 reduces on the last micro batch only, as in training
+                with step.no_gradient_sync(module) if index < steps - 1 else contextlib.nullcontext():
+                    step.forward_backward(
+                        module.compute_loss, batch, dims, cfg.parallelism, forward_context=forward_context
+                    )
+            load = declared.expert_load() if dims.dp_cp_size > 1 else ()
+            step.finish_gradients(
+                module.parameters(),
+                cfg.trainer.gradient_clip_val,
+                expert_load=load,
+                load_group=dims.group(dims.loss_axis) if load else None,
+            )
             optimizer.step()
         states = model_state_bytes(module, [optimizer])
         peak = mem.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).get("Total", 0) if mem is not None else 0

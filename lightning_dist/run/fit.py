@@ -20,7 +20,7 @@ from lightning_dist.callbacks.evaluation import EvalCallback
 from lightning_dist.callbacks.heartbeat import Heartbeat
 from lightning_dist.callbacks.preemption import Preemption
 from lightning_dist.callbacks.progress import LoggedLossBar
-from lightning_dist.config.build import build_datamodule, build_module
+from lightning_dist.config.build import build_datamodule, build_module, build_strategy
 from lightning_dist.config.schema import TrainConfig
 from lightning_dist.config.start import run_record
 from lightning_dist.config.validate import ValidRun, validate
@@ -32,7 +32,7 @@ from lightning_dist.run.console import log_to, say
 from lightning_dist.run.loggers import CheckpointArtifacts, build_loggers, finish_wandb, where
 from lightning_dist.run.result import RunResult
 from lightning_dist.run.watchdog import watch_external_job
-from lightning_dist.strategies import MeshStrategy, build_strategy
+from lightning_dist.strategies import MeshStrategy
 from lightning_dist.telemetry import LossHistory, Telemetry
 from lightning_dist.telemetry.history import merge_telemetry
 
@@ -202,7 +202,7 @@ def build_trainer(
     return pl.Trainer(
         **placement,
         accelerator=cfg.cluster.accelerator,
-        strategy=build_strategy(cfg.parallelism.strategy, valid.dims, valid.options),
+        strategy=build_strategy(cfg, valid.dims),
         precision=cfg.cluster.precision,
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,

@@ -25,7 +25,6 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dist import __version__
-from lightning_dist.config.parallelism import ParallelismConfig
 from lightning_dist.config.schema import (
     CONF_DIR,
     ClusterConfig,
@@ -38,13 +37,14 @@ from lightning_dist.config.schema import (
 from lightning_dist.config.trainer_args import TrainerConfig
 from lightning_dist.data.config import DataConfig
 from lightning_dist.models.gpt_config import GPTConfig
+from lightning_dist.parallel.options import Parallelism
 
 APP = "lightning-dist-train"
 #: Groups of conf/ whose fields a dataclass types (model=hf: HFModelConfig; model=custom / data=custom: your class's).
 SCHEMAS: dict[str, type] = {
     "model": GPTConfig,
     "data": DataConfig,
-    "parallelism": ParallelismConfig,
+    "parallelism": Parallelism,
     "cluster": ClusterConfig,
     "trainer": TrainerConfig,
     "debug": DebugConfig,

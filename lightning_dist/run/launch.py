@@ -44,6 +44,8 @@ SHUTDOWN_GRACE_S = 300.0
 #: what each rank's re-run of ``lightning-dist-train`` (the main script, as multiprocessing does) imports.
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_dist.run.fit", "lightning_dist.run.train"]
 
+#: ``prctl(PR_SET_NAME)``: the calling thread's name, the process's for its main thread (Linux).
+_PR_SET_NAME = 15
 #: ``prctl(PR_SET_PDEATHSIG)``: the signal a rank gets when the process that forked it dies (Linux).
 _PR_SET_PDEATHSIG = 1
 
@@ -102,6 +104,8 @@ def launch(
     *args: Any,
     threads_per_rank: int | None = None,
     exit_grace_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    name: str = "ld-rank",
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` spawned ranks of one node and return each rank's result, by rank.
 
@@ -113,6 +117,8 @@ def launch(
         threads_per_rank: CPU threads per rank; default shares the machine's cores evenly.
         exit_grace_s: Once every rank still running has returned its result, how long to wait for them to exit
             before terminating them (a native destructor that hangs on the way out must not hang the job).
+        env: Variables the ranks get besides the launching process's environment.
+        name: What ``ps`` and ``top`` call the ranks: ``<name><rank>`` (at most 15 characters, Linux).
 
     Raises:
         RankFailedError: The first rank that raised or died, with its one-line reason.
@@ -122,6 +128,7 @@ def launch(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
     env = {
         **os.environ,  # a rank forked from the server gets the launching process's environment, as a spawned one does
+        **(env or {}),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nprocs),
@@ -133,7 +140,7 @@ def launch(
         context = multiprocessing.get_context(_start_method())
         processes = []
         for rank in range(nprocs):
-            rank_args = (rank, fn, args, env, os.getcwd(), threads, results)
+            rank_args = (rank, fn, args, env, os.getcwd(), threads, results, f"{name}{rank}")
             processes.append(context.Process(target=_start_rank, args=rank_args, daemon=False))
             processes[-1].start()
         with _forward_signals(processes):
@@ -264,8 +271,21 @@ def _start_rank(local_rank: int, *rank_args: Any) -> None:
         sys.exit(1)
 
 
+def _name_process(name: str) -> None:
+    """``ps`` / ``top`` show ``name`` for this process instead of the forkserver's ``python`` (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
+
+
 def _run_rank(
-    local_rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], cwd: str, threads: int, results: Path
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    cwd: str,
+    threads: int,
+    results: Path,
+    name: str,
 ) -> None:
     import torch  # deferred: loaded in the rank already (the forkserver's preload), never in the launcher
 
@@ -274,6 +294,7 @@ def _run_rank(
     os.environ[beat_file.ENV] = str(results / f"{local_rank}.beat")
     os.chdir(cwd)
     _exit_with_launcher(int(env[environment.OURS_ENV]))
+    _name_process(name)
 
     torch.set_num_threads(threads)
     try:

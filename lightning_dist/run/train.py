@@ -43,6 +43,7 @@ from lightning_dist.run.console import LOG_FILE, log_to, say
 from lightning_dist.run.help import answer_help
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.lock import hold_run_folder
+from lightning_dist.run.replica_groups import launch_replica_groups
 from lightning_dist.run.result import RunResult
 from lightning_dist.telemetry.report import render, write_summary
 
@@ -198,16 +199,20 @@ def run(cfg: TrainConfig) -> RunResult:
     # One job per run folder: held by the launcher (ours) or rank 0 (torchrun / srun), released however this ends.
     with hold_run_folder(out_dir) if is_global_zero() else nullcontext():
         start = time.perf_counter()
+        groups_apart = cfg.parallelism.replicas.fault_tolerant and not launched_externally()
         if launched_externally():  # torchrun / SLURM restart the job themselves (torchrun --max-restarts, requeue)
             preflight(cfg, dims)
             result = _fit(valid)
             if result.preempted and cfg.cluster.slurm.requeue:
                 slurm.requeue()
+        elif groups_apart:  # each replica group a job of its own, restarted alone, reported in its own folder
+            result = launch_replica_groups(valid, _fit, report=_write_report)
         else:
             result = _launch_with_restarts(valid)
-        result.wall_time_s = time.perf_counter() - start
-        if is_global_zero():  # one writer per job
-            _write_report(valid, result)
+        if not groups_apart:
+            result.wall_time_s = time.perf_counter() - start
+            if is_global_zero():  # one writer per job
+                _write_report(valid, result)
     _print_summary(result, cfg)
     return result
 
@@ -228,6 +233,8 @@ def _fit(valid: ValidRun) -> RunResult:
 def _write_report(valid: ValidRun, result: RunResult) -> None:
     """``report.json`` always; ``report.html`` and its PNGs unless ``telemetry.report=false``."""
     cfg, dims = valid.cfg, valid.dims
+    if cfg.parallelism.replicas.fault_tolerant:  # the report of one replica group: its own ranks
+        dims = dims.replica_group()
     result.ranks = _rank_rows(dims, result.rank_layouts)
     result.hardware = cfg.hardware.name
     if isinstance(cfg.data, DataConfig):  # else a user's DataModule: the report counts tokens from the telemetry

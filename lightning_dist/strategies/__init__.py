@@ -6,14 +6,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.data_parallel import DataParallelStrategy
 from lightning_dist.strategies.mesh import MeshStrategy
-from lightning_dist.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy, build_strategy
+from lightning_dist.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy
 
 __all__ = [
     "DataParallelStrategy",
     "MeshStrategy",
     "PipelineParallelStrategy",
     "TensorParallelStrategy",
-    "build_strategy",
 ]
 
 #: Short name -> (strategy, description). ``"fsdp2"`` because Lightning's own ``"fsdp"`` is FSDP1 (its FSDPStrategy).

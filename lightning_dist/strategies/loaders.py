@@ -19,16 +19,17 @@ from lightning_dist import _compat
 from lightning_dist.data.samplers import DataParallelSampler, seed_unseeded_shuffle
 
 
-class LoaderOrderMixin:
-    """For a Lightning strategy with ``distributed_sampler_kwargs`` (``num_replicas``, ``rank``: data parallel).
+class LoaderDealer:
+    """A strategy's loaders dealt out by data-parallel rank (a member of our strategies).
 
-    Call :meth:`take_over_loaders` from the strategy's ``setup``; ``process_dataloader`` then does the dealing.
+    The strategy calls :meth:`take_over` from its ``setup`` and :meth:`deal` from its ``process_dataloader``.
     """
 
-    _shard_loaders = False
-    _taken_over_from: Any = None  # the Trainer whose sampler injection this strategy turned off
+    def __init__(self) -> None:
+        self._shard_loaders = False
+        self._taken_over_from: Any = None  # the Trainer whose sampler injection this strategy turned off
 
-    def take_over_loaders(self, trainer: Any) -> None:
+    def take_over(self, trainer: Any) -> None:
         """Shard loaders here instead of Lightning, where Lightning would have (``use_distributed_sampler=True``).
 
         Decided once per Trainer: ``setup`` runs again for ``validate`` / ``test`` / ``predict`` after ``fit``, when
@@ -38,8 +39,9 @@ class LoaderOrderMixin:
             self._shard_loaders = _compat.take_over_distributed_sampler(trainer)
             self._taken_over_from = trainer
 
-    def process_dataloader(self, dataloader: object) -> object:
-        """Deal the loader's own index stream out by data-parallel rank.
+    def deal(self, dataloader: object, sampler_kwargs: dict[str, Any], training: bool) -> object:
+        """Deal the loader's own index stream out by data-parallel rank (``sampler_kwargs``: the strategy's
+        ``distributed_sampler_kwargs``; ``training``: the Trainer is fitting).
 
         A loader with a ``DistributedSampler`` or an iterable dataset is the user's to shard, and so is every loader
         of a Trainer built with ``use_distributed_sampler=False``.
@@ -54,8 +56,7 @@ class LoaderOrderMixin:
                 "lightning-dist seeded it with the run's seed so every rank reads the same order. Pass "
                 "generator=torch.Generator().manual_seed(...) to the DataLoader to choose the order."
             )
-        kwargs = self.distributed_sampler_kwargs  # type: ignore[attr-defined]
-        num_replicas, rank = kwargs["num_replicas"], kwargs["rank"]
+        num_replicas, rank = sampler_kwargs["num_replicas"], sampler_kwargs["rank"]
         if num_replicas == 1:
             return dataloader  # tp / pp peers read the same batches: the loader's own order, untouched
         inner = _compat.predict_batch_sampler(dataloader)
@@ -71,7 +72,6 @@ class LoaderOrderMixin:
                 "yourself (a DistributedSampler with the strategy's distributed_sampler_kwargs) and pass "
                 "Trainer(use_distributed_sampler=False)."
             )
-        training = self.lightning_module.trainer.training  # type: ignore[attr-defined]
         sampler, batch_size = dataloader.sampler, dataloader.batch_size
         DataParallelSampler.check_tail(sampler, batch_size, num_replicas, dataloader.drop_last, training)
         return _compat.update_dataloader(dataloader, DataParallelSampler(sampler, batch_size, num_replicas, rank))

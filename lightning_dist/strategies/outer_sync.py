@@ -1,6 +1,6 @@
 """DiLoCo in the strategy: the outer step after each applied inner step, and each replica's state in checkpoints.
 
-``sync="diloco"`` (:class:`~lightning_dist.parallel.options.ParallelOptions`) lays the model out without gradient
+``parallelism.sync=diloco`` (:class:`~lightning_dist.parallel.options.Parallelism`) lays the model out without gradient
 synchronization over ``dp_replicate`` (:func:`~lightning_dist.parallel.compose.data_parallel_axes`) and runs
 :class:`~lightning_dist.parallel.diloco.DiLoCo` here.
 
@@ -18,118 +18,98 @@ one only where the replicas are equal (right after an outer step, nothing in fli
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from lightning_dist.checkpoint import full, store
-from lightning_dist.contract import declared_blocks
-from lightning_dist.parallel.diloco import DiLoCo, describe
-from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.diloco import DiLoCo
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 
 #: Mesh axis names that include dp_replicate (the flattened data-parallel axes too).
 _REPLICA_AXES = {"dp_replicate", "dp", "data_parallel"}
 
 
-class DiLoCoMixin:
-    """For :class:`~lightning_dist.strategies.mesh.MeshStrategy`: builds and runs DiLoCo when ``options.diloco``."""
+class OuterSync:
+    """DiLoCo in a strategy (:class:`~lightning_dist.strategies.mesh.MeshStrategy` holds one): built with the
+    optimizers, counted after each applied inner step (:func:`lightning_dist.parallel.step.optimizer_step`), each
+    replica's state in checkpoints. Nothing without ``sync=diloco``.
 
-    options: ParallelOptions
-    parallel_dims: ParallelDims
-    model: nn.Module
-    lightning_module: Any
-    optimizers: list[torch.optim.Optimizer]
-    global_rank: int
-    broadcast: Callable[..., Any]
-    _diloco: DiLoCo | None = None
+    Args:
+        options: The layout's options (``sync``, ``diloco``).
+    """
 
-    @property
-    def diloco(self) -> DiLoCo | None:
-        """This rank's :class:`~lightning_dist.parallel.diloco.DiLoCo` (``sync="diloco"``, once fitting set up)."""
-        return self._diloco
+    def __init__(self, options: Parallelism) -> None:
+        self.options = options
+        self.diloco: DiLoCo | None = None
+        """This rank's :class:`~lightning_dist.parallel.diloco.DiLoCo` (``sync=diloco``, once fitting set up)."""
 
-    def setup_optimizers(self, trainer: Any) -> None:
-        """Lightning's optimizers, then DiLoCo over the parameters as laid out (``sync=diloco``)."""
-        super().setup_optimizers(trainer)  # type: ignore[misc]
-        self.build_diloco()
-
-    def with_sync(self, layout: RankLayout) -> RankLayout:
-        """``layout`` saying how the replicas agree (DiLoCo's H, F, compression; nothing for every step)."""
-        return replace(layout, sync=describe(self.options))
-
-    def build_diloco(self) -> None:
-        """Start DiLoCo from the current parameters (after the optimizers exist); nothing without ``sync=diloco``.
+    def build(self, model: nn.Module, blocks: Sequence[nn.Module], dims: ParallelDims, optimizers: list[Any]) -> None:
+        """Start DiLoCo from the current parameters of ``model`` (after the optimizers exist); ``blocks``: the
+        module's declared blocks, the fragments' units (a pipeline rank holds some only: split by size there).
 
         Raises:
             ValueError: Not exactly one optimizer (one inner step per outer count), or a parameter laid out by hand
                 over ``dp_replicate`` (its gradients would be averaged every step).
         """
-        if not self.options.diloco:
+        if not self.options.diloco_enabled:
             return
-        if len(self.optimizers) != 1:
+        if len(optimizers) != 1:
             raise ValueError(
-                f"sync=diloco counts one inner optimizer step per training step but configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers; use one optimizer or sync=every_step."
+                f"parallelism.sync=diloco counts one inner optimizer step per training step but configure_optimizers "
+                f"returned {len(optimizers)} optimizers; use one optimizer or parallelism.sync=every_step."
             )
         # named as in a checkpoint (no wrapper parts): the outer state is saved by name and read back in any layout
-        params = [(_fqn(name), p) for name, p in self.model.named_parameters() if p.requires_grad]
+        params = [(_fqn(name), p) for name, p in model.named_parameters() if p.requires_grad]
         synced = [name for name, p in params if _REPLICA_AXES & set(_mesh_axes(p))]
         if synced:  # laid out by hand in configure_model over a mesh that averages the replicas every step
             raise ValueError(
-                f"sync=diloco but {synced[0]} is sharded or replicated over the dp_replicate axis, so its gradients "
-                "are averaged every step; shard it over device_mesh['dp_shard'] only, or use sync=every_step."
+                f"parallelism.sync=diloco but {synced[0]} is sharded or replicated over the dp_replicate axis, so its "
+                "gradients are averaged every step; shard it over device_mesh['dp_shard'] only, or use "
+                "parallelism.sync=every_step."
             )
-        blocks: list[str] = []
-        if not self.parallel_dims.pp_enabled:  # a pipeline rank holds some blocks only: split by size there
-            names = {id(module): name for name, module in self.model.named_modules()}
-            blocks = [_fqn(f"{names[id(b)]}.")[:-1] for b in declared_blocks(self.lightning_module) if id(b) in names]
-        self._diloco = DiLoCo.build(params, self.parallel_dims.group("dp_replicate"), self.options, blocks)
+        names: list[str] = []
+        if not dims.pp_enabled:
+            by_id = {id(module): name for name, module in model.named_modules()}
+            names = [_fqn(f"{by_id[id(b)]}.")[:-1] for b in blocks if id(b) in by_id]
+        self.diloco = DiLoCo.build(params, dims.group("dp_replicate"), self.options.diloco, names)
 
-    def with_outer_step(self, apply: Callable[[], Any]) -> Callable[[], Any]:
-        """``apply`` (an inner optimizer step) followed by DiLoCo's count; a step the guard drops is not counted.
-
-        A step an optimizer skips on the device (fused kernels, ``found_inf``) still counts: knowing it would cost a
-        host read every step.
-        """
-        diloco = self._diloco
-        if diloco is None:
-            return apply
-
-        def step() -> Any:
-            result = apply()
-            diloco.after_inner_step()
-            return result
-
-        return step
-
-    def with_replica_state(self, state: dict[str, Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def replica_state(
+        self, state: dict[str, Any], checkpoint: dict[str, Any], dims: ParallelDims, rank: int
+    ) -> dict[str, Any]:
         """What this rank gives DCP (``state``: :func:`~lightning_dist.checkpoint.store.sharded_state`): under DiLoCo
         this replica's ``state`` under ``replica<r>`` (r >= 1) and the outer state under ``diloco``; the position in
         the cycle goes into ``checkpoint`` (Lightning's file). ``state`` itself without DiLoCo."""
-        if self._diloco is None:
+        if self.diloco is None:
             return state
-        replica = self.parallel_dims.coordinates(self.global_rank)["dp_replicate"]
+        replica = dims.coordinates(rank)["dp_replicate"]
         out = {f"replica{replica}": state} if replica else dict(state)
-        saved = self._diloco.state_dict()
+        saved = self.diloco.state_dict()
         step, in_flight = saved.pop("step"), saved.pop("in_flight")
         out["diloco"] = saved
         checkpoint["diloco"] = {
-            "replicas": self.parallel_dims.dp_replicate,
+            "replicas": dims.dp_replicate,
             "step": step,
             "in_flight": in_flight,
-            "fragments": len(self._diloco.fragments),
+            "fragments": len(self.diloco.fragments),
             "momentum": "momentum" in saved,
-            "equal": self._diloco.replicas_equal,
+            "equal": self.diloco.replicas_equal,
         }
         return out
 
-    def load_sharded_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizers: list[Any],
+        strict: bool,
+        weights_only: bool | None,
+        dims: ParallelDims,
+        rank: int,
+    ) -> dict[str, Any]:
         """Load the sharded checkpoint ``path`` into the model and optimizers (any layout) and, under DiLoCo, this
         replica's parameters and inner optimizer state and the outer state; returns the rest for Lightning.
 
@@ -139,22 +119,21 @@ class DiLoCoMixin:
         """
         rest = store.read_rest(path, weights_only)
         meta = rest.pop("diloco", None)
-        if self._diloco is None or meta is None:
-            store.load_sharded(path, self.model, self.optimizers, strict)
-            self.reset_diloco()  # nothing to continue (a run without DiLoCo, or none here)
+        if self.diloco is None or meta is None:
+            store.load_sharded(path, model, optimizers, strict)
+            self.reset()  # nothing to continue (a run without DiLoCo, or none here)
             return rest
-        dims = self.parallel_dims
-        replica = dims.coordinates(self.global_rank)["dp_replicate"]
-        under = replica_key(path, meta, dims.dp_replicate, replica, len(self._diloco.fragments))
-        outer = self._diloco.empty_state(list(meta["in_flight"]), meta["momentum"])
-        store.load_sharded(path, self.model, self.optimizers, strict, under=under, extra={"diloco": outer})
-        self._diloco.load_state_dict({"step": meta["step"], "in_flight": meta["in_flight"], **outer})
+        replica = dims.coordinates(rank)["dp_replicate"]
+        under = replica_key(path, meta, dims.dp_replicate, replica, len(self.diloco.fragments))
+        outer = self.diloco.empty_state(list(meta["in_flight"]), meta["momentum"])
+        store.load_sharded(path, model, optimizers, strict, under=under, extra={"diloco": outer})
+        self.diloco.load_state_dict({"step": meta["step"], "in_flight": meta["in_flight"], **outer})
         return rest
 
-    def reset_diloco(self) -> None:
+    def reset(self) -> None:
         """A fresh outer cycle from the current (just loaded) parameters."""
-        if self._diloco is not None:
-            self._diloco.reset()
+        if self.diloco is not None:
+            self.diloco.reset()
 
 
 def replica_key(path: Path, meta: dict[str, Any], replicas: int, replica: int, fragments: int) -> str:
@@ -170,12 +149,12 @@ def replica_key(path: Path, meta: dict[str, Any], replicas: int, replica: int, f
             f"checkpoint {path} holds DiLoCo replicas of dp_replicate={meta['replicas']} between outer steps (inner "
             f"step {meta['step']}; they differ) and this run has dp_replicate={replicas}; resume with "
             f"dp_replicate={meta['replicas']}, or change it from a checkpoint right after an outer step "
-            "(diloco_fragments=1, diloco_alpha=0, nothing in flight)."
+            "(diloco.fragments=1, diloco.alpha=0, nothing in flight)."
         )
     if meta["fragments"] != fragments:
         raise ValueError(
-            f"checkpoint {path} holds DiLoCo state of diloco_fragments={meta['fragments']} and this run has "
-            f"{fragments}; resume with diloco_fragments={meta['fragments']}."
+            f"checkpoint {path} holds DiLoCo state of parallelism.diloco.fragments={meta['fragments']} and this run "
+            f"has {fragments}; resume with parallelism.diloco.fragments={meta['fragments']}."
         )
     return f"replica{replica}" if replica and meta["replicas"] == replicas else ""
 

@@ -1,15 +1,10 @@
-"""Named presets of :class:`~lightning_dist.strategies.mesh.MeshStrategy`, and the strategy the app builds for a
-``parallelism.strategy`` name."""
+"""Named presets of :class:`~lightning_dist.strategies.mesh.MeshStrategy`: its defaults for one kind of layout."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import Strategy
-
-from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel_dims import ParallelDims
-from lightning_dist.strategies.data_parallel import DataParallelStrategy
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.strategies.mesh import MeshStrategy
 
 
@@ -26,9 +21,9 @@ class TensorParallelStrategy(MeshStrategy):
         tp: Tensor-parallel degree; ``-1`` = the devices the data-parallel degrees leave.
         dp_shard: FSDP2 shard degree; ``-1`` = the rest of the world size.
         dp_replicate: Replica degree (HSDP when ``dp_shard > 1`` too); ``-1`` = the rest.
-        options: A :class:`~lightning_dist.parallel.options.ParallelOptions`.
-        option_fields: Single option fields (``sequence_parallel``, ``loss_parallel``, ``plan``,
-            ``activation_checkpointing``, ...), set over ``options``.
+        parallelism: A :class:`~lightning_dist.parallel.options.Parallelism`.
+        options: :class:`~lightning_dist.strategies.mesh.MeshStrategy`'s keyword arguments (``sequence_parallel``,
+            ``loss_parallel``, ``plan``, ``activation_checkpointing``, ``on_nonfinite``, ...).
     """
 
     strategy_name = "tensor_parallel"
@@ -39,10 +34,10 @@ class TensorParallelStrategy(MeshStrategy):
         dp_shard: int = 1,
         dp_replicate: int = 1,
         *,
-        options: ParallelOptions | None = None,
-        **option_fields: Any,
+        parallelism: Parallelism | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=1, options=options, **option_fields)
+        super().__init__(dp_replicate, dp_shard, tp, 1, parallelism=parallelism, **options)
 
 
 class PipelineParallelStrategy(MeshStrategy):
@@ -55,17 +50,17 @@ class PipelineParallelStrategy(MeshStrategy):
 
     The LightningModule keeps its ``training_step`` calling ``self.compute_loss(batch)`` and describes its model
     with ``pipeline_spec()`` (a :class:`~lightning_dist.PipelineSpec`); see
-    :class:`~lightning_dist.strategies.stages.PipelineStages` for how a step runs. With ``pp=1`` there is nothing to
-    pipeline and the whole model is trained as under :class:`~lightning_dist.strategies.mesh.MeshStrategy`.
+    :class:`~lightning_dist.parallel.pipeline_stages.PipelineStages` for how a step runs. With ``pp=1`` there is
+    nothing to pipeline and the whole model is trained as under :class:`~lightning_dist.strategies.mesh.MeshStrategy`.
 
     Args:
         pp: Pipeline degree (ranks per pipeline).
         tp: Tensor-parallel degree inside each stage.
         dp_shard: FSDP2 shard degree; ``-1`` = the rest of the world size.
         dp_replicate: Replica degree; ``-1`` = the rest.
-        options: A :class:`~lightning_dist.parallel.options.ParallelOptions`.
-        option_fields: Single option fields (``schedule``, ``microbatches``, ``stages_per_rank``, ``split_points``,
-            ...), set over ``options``.
+        parallelism: A :class:`~lightning_dist.parallel.options.Parallelism`.
+        options: :class:`~lightning_dist.strategies.mesh.MeshStrategy`'s keyword arguments (``schedule``,
+            ``microbatches``, ``stages_per_rank``, ``split_points``, ...).
     """
 
     strategy_name = "pipeline_parallel"
@@ -77,19 +72,7 @@ class PipelineParallelStrategy(MeshStrategy):
         dp_shard: int = -1,
         dp_replicate: int = 1,
         *,
-        options: ParallelOptions | None = None,
-        **option_fields: Any,
+        parallelism: Parallelism | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, options=options, **option_fields)
-
-
-def build_strategy(name: str, dims: ParallelDims, options: ParallelOptions) -> Strategy:
-    """The strategy for ``parallelism.strategy=name``: Lightning's DDP (loader order kept) for ``ddp``, else our
-    mesh strategy on ``dims``, whose path follows from the degrees alone.
-
-    ``fsdp`` is FSDP2 (torch ``fully_shard``) through the mesh strategy with ``tp=1``: Lightning's FSDPStrategy
-    wraps the older FSDP1 and refuses to run on CPU.
-    """
-    if name == "ddp":
-        return DataParallelStrategy(options=options)
-    return MeshStrategy(parallel_dims=dims, options=options)
+        super().__init__(dp_replicate, dp_shard, tp, pp, parallelism=parallelism, **options)

@@ -259,17 +259,41 @@ class Telemetry(pl.Callback):
 
     # -------------------------------------------------------------------------------------------- logging
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, now: float) -> None:
-        steps = self._steps_in_window
+        """The window's metrics: this rank's values, their min / max over the ranks, then what is logged."""
         seconds = now - self._window_start
+        per_axis: dict[str, OpStats] = {}
+        for (axis, _op), stats in self._comm_since_last_log().items():
+            per_axis.setdefault(axis, OpStats()).add(stats)
+        local = self._local_values(trainer, pl_module, seconds, per_axis)
+        low, high = self._min_max(local)
+        metrics = self._throughput(pl_module, local, low, high, seconds)
+        metrics.update(self._comm_metrics(local, low, high, per_axis))
+        for key in [k for k in local if k.startswith(("memory/", "diloco/", "replicas/"))]:
+            metrics[key] = high[key]
+        if "pipeline/bubble_fraction" in local:
+            key = "pipeline/bubble_fraction"
+            metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
+        self.history.append({"step": float(trainer.global_step), **metrics})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        self._window_start = perf_counter()
+        self._steps_in_window = 0
+        self._data_seconds = 0.0
+        self._tokens = self._samples = 0
+        self._timed_steps = 0
+        self._timed_seconds = 0.0
+
+    def _local_values(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, seconds: float, per_axis: dict[str, OpStats]
+    ) -> dict[str, float]:
+        """This rank's values of the window: step and data time, calls and time per axis, memory, the pipeline's
+        bubble, DiLoCo's outer step; the same keys on every rank (the timed steps follow ``global_step``)."""
+        steps, timed = self._steps_in_window, self._timed_steps
         local: dict[str, float] = {
             "perf/step_ms": seconds / steps * 1e3,
             "perf/data_ms": self._data_seconds / steps * 1e3,
         }
-        comm = self._comm_since_last_log()
-        per_axis: dict[str, OpStats] = {}
-        for (axis, _op), stats in comm.items():
-            per_axis.setdefault(axis, OpStats()).add(stats)
-        timed = self._timed_steps  # the same on every rank (it follows global_step), so are the keys below
         for axis in AXIS_ORDER:
             stats = per_axis.get(axis, OpStats())
             local[f"comm/{axis}/calls"] = stats.count / steps
@@ -289,11 +313,24 @@ class Telemetry(pl.Callback):
         bubble = view.pop_bubble_fraction() if view is not None else None
         if bubble is not None:
             local["pipeline/bubble_fraction"] = bubble
-        outer = self._outer.metrics(self._num_steps, seconds) if self._outer is not None else {}
-        local.update(outer)
-        low, high = self._min_max(local)
+        if self._outer is not None:
+            local.update(self._outer.metrics(self._num_steps, seconds))
+        replicas = getattr(trainer.strategy, "replicas", None)  # fault-tolerant replica groups (torchft)
+        if replicas is not None:
+            local.update(replicas.metrics())
+        return local
 
+    def _throughput(
+        self,
+        pl_module: pl.LightningModule,
+        local: dict[str, float],
+        low: dict[str, float],
+        high: dict[str, float],
+        seconds: float,
+    ) -> dict[str, float]:
+        """Step and data time over the ranks; tokens, samples and FLOPs per second; MFU."""
         metrics: dict[str, float] = {}
+        timed = self._timed_steps
         synced = ("perf/step_ms", "perf/data_ms", "comm/total_ms") if timed else ("perf/step_ms", "perf/data_ms")
         for key in synced:
             metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
@@ -311,6 +348,14 @@ class Telemetry(pl.Callback):
             metrics["perf/tflops_per_device"] = tflops
             if self._peak:
                 metrics["perf/mfu"] = tflops / self._peak
+        return metrics
+
+    def _comm_metrics(
+        self, local: dict[str, float], low: dict[str, float], high: dict[str, float], per_axis: dict[str, OpStats]
+    ) -> dict[str, float]:
+        """Calls, bytes, time and bus bandwidth of each axis that moved anything on any rank."""
+        metrics: dict[str, float] = {}
+        steps, timed = self._steps_in_window, self._timed_steps
         for axis in AXIS_ORDER:
             if high[f"comm/{axis}/calls"] == 0:  # the axis moved nothing on any rank
                 continue
@@ -325,22 +370,7 @@ class Telemetry(pl.Callback):
         if timed:
             metrics["comm/fraction"] = local["comm/total_ms"] / local["comm/timed_step_ms"]
             metrics["comm/timed_steps"] = float(timed)
-        for key in [k for k in local if k.startswith("memory/")] + list(outer):
-            metrics[key] = high[key]
-        if "pipeline/bubble_fraction" in local:
-            key = "pipeline/bubble_fraction"
-            metrics.update({key: local[key], f"{key}_min": low[key], f"{key}_max": high[key]})
-
-        self.history.append({"step": float(trainer.global_step), **metrics})
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        self._window_start = perf_counter()
-        self._steps_in_window = 0
-        self._data_seconds = 0.0
-        self._tokens = self._samples = 0
-        self._timed_steps = 0
-        self._timed_seconds = 0.0
+        return metrics
 
     def _comm_since_last_log(self) -> dict[tuple[str, str], OpStats]:
         if self.tracker is None:

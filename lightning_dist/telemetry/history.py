@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_dist import _compat
+from lightning_dist.parallel.replicas import REPLICA_KEYS
 from lightning_dist.parallel_dims import REPORTED_AXES
 from lightning_dist.telemetry.comm import OUTER_AXIS
 from lightning_dist.telemetry.outer import DILOCO_KEYS
@@ -32,6 +33,7 @@ TELEMETRY_KEYS = (
     "memory/optimizer_gib",
     *(f"comm/{axis}/{kind}" for axis in (*REPORTED_AXES, OUTER_AXIS, "world") for kind in ("bytes", "calls")),
     *DILOCO_KEYS,
+    *REPLICA_KEYS,
 )
 
 

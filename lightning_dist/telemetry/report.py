@@ -202,6 +202,7 @@ def _html(data: dict[str, Any], parts: dict[str, float], figures: list[tuple[str
             ("final train/loss", data.get("train_loss")),
             ("val/loss", data.get("val_loss")),
             ("loss floor", data.get("loss_floor")),
+            *_replica_rows(data.get("history") or []),
         )
     )
     images = "".join(
@@ -227,6 +228,20 @@ def _html(data: dict[str, Any], parts: dict[str, float], figures: list[tuple[str
     split = "".join(f"<tr><th>{esc(k)}</th><td>{v:.2f}</td></tr>" for k, v in parts.items())
     body = f"<table>{rows}</table>{images}<h2>Step time (ms, median)</h2><table>{split}</table>{layout}{prediction}"
     return _page("Run report", body)
+
+
+def _replica_rows(history: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """Fault-tolerant replica groups (torchft): the fewest groups a step committed with, this group's recoveries and
+    the steps it missed; none without them."""
+    quorum = [r["replicas/participants"] for r in history if "replicas/participants" in r]
+    if not quorum:
+        return []
+    last = next(r for r in reversed(history) if "replicas/participants" in r)
+    return [
+        ("replica groups in the quorum (fewest, last)", f"{min(quorum):g}, {quorum[-1]:g}"),
+        ("this group's recoveries from a peer", f"{last['replicas/recoveries']:g}"),
+        ("steps this group missed", f"{last['replicas/missed_steps']:g}"),
+    ]
 
 
 def _page(title: str, body: str) -> str:

@@ -92,8 +92,8 @@ def test_accumulating_micro_steps_do_not_reduce_gradients(tmp_path: Path) -> Non
             r"trainer.accumulate_grad_batches=2 contradicts data.micro_batch_size=1",
         ),
         (
-            ["parallelism=pp", "data.micro_batch_size=1", "parallelism.microbatches=2"],
-            r"parallelism.microbatches=2 contradicts data.micro_batch_size=1",
+            ["parallelism=pp", "data.micro_batch_size=1", "parallelism.pipeline.microbatches=2"],
+            r"parallelism.pipeline.microbatches=2 contradicts data.micro_batch_size=1",
         ),
         (["data.micro_batch_size=0"], r"data.micro_batch_size=0 must be >= 1"),
     ],
@@ -116,4 +116,8 @@ def test_micro_batches_are_resolved_once_for_every_rank() -> None:
     pp = compose_config([*FAST, "parallelism=pp", "cluster.devices=2", "trainer.accumulate_grad_batches=2"])
     pp = validate(pp).cfg
     # Under pp, Lightning's accumulation becomes the pipeline's microbatches: one schedule step per global batch.
-    assert (pp.trainer.accumulate_grad_batches, pp.parallelism.microbatches, pp.data.micro_batch_size) == (1, 2, 4)
+    assert (pp.trainer.accumulate_grad_batches, pp.parallelism.pipeline.microbatches, pp.data.micro_batch_size) == (
+        1,
+        2,
+        4,
+    )

@@ -19,30 +19,30 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize(
     "layout",
     [
-        ["parallelism=tp_fsdp", "cluster.devices=4", "parallelism.activation_checkpointing=full"],
-        ["parallelism=fsdp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
-        ["parallelism=tp", "cluster.devices=2", "parallelism.activation_checkpointing=selective"],
+        ["parallelism=tp_fsdp", "cluster.devices=4", "parallelism.activation_checkpointing.mode=full"],
+        ["parallelism=fsdp", "cluster.devices=2", "parallelism.activation_checkpointing.mode=selective"],
+        ["parallelism=tp", "cluster.devices=2", "parallelism.activation_checkpointing.mode=selective"],
         [
             "parallelism=fsdp",
             "cluster.devices=2",
-            "parallelism.activation_checkpointing=selective",
-            "parallelism.ac_selective=op_half",
+            "parallelism.activation_checkpointing.mode=selective",
+            "parallelism.activation_checkpointing.selective=op_half",
         ],
         [
             "parallelism=pp",
             "cluster.devices=2",
-            "parallelism.microbatches=4",
-            "parallelism.activation_checkpointing=selective",
-            "parallelism.ac_selective=op_half",
+            "parallelism.pipeline.microbatches=4",
+            "parallelism.activation_checkpointing.mode=selective",
+            "parallelism.activation_checkpointing.selective=op_half",
         ],
         [
             "parallelism=pp",
             "cluster.devices=2",
-            "parallelism.microbatches=2",
-            "parallelism.activation_checkpointing=selective",
-            "parallelism.ac_selective=2",
+            "parallelism.pipeline.microbatches=2",
+            "parallelism.activation_checkpointing.mode=selective",
+            "parallelism.activation_checkpointing.selective=2",
         ],
-        ["parallelism=ddp", "cluster.devices=2", "parallelism.activation_checkpointing=full"],
+        ["parallelism=ddp", "cluster.devices=2", "parallelism.activation_checkpointing.mode=full"],
     ],
     ids=["tp2xfsdp2-full", "fsdp2-op", "tp2-op", "fsdp2-op_half", "pp2-op_half", "pp2-every2", "ddp2-full"],
 )
@@ -59,5 +59,5 @@ def test_checkpointing_is_refused_where_it_cannot_reach() -> None:
 
     from lightning_dist.config.validate import validate
 
-    with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing='some' is unknown"):
-        validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.activation_checkpointing=some"]))
+    with pytest.raises(ValueError, match=r"parallelism.activation_checkpointing.mode='some' is unknown"):
+        validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.activation_checkpointing.mode=some"]))

@@ -87,16 +87,16 @@ CASES: dict[str, tuple[str, bool, int, Any]] = {
         lambda: PipelineParallelStrategy(pp=2, dp_shard=1, microbatches=2, loss_chunks=CHUNKS),
     ),
     "cp2": ("gpt", False, 1, lambda: MeshStrategy(cp=2, dp_shard=1, loss_chunks=CHUNKS)),
-    "ddp2-masked": ("gpt", True, 2, lambda: DataParallelStrategy(options=_options(loss_chunks=CHUNKS))),
+    "ddp2-masked": ("gpt", True, 2, lambda: DataParallelStrategy(parallelism=_options(loss_chunks=CHUNKS))),
     "hf-fsdp2": ("hf", False, 2, lambda: MeshStrategy(dp_shard=2, loss_chunks=CHUNKS)),
     "hf-tp2": ("hf", False, 1, lambda: TensorParallelStrategy(tp=2, loss_chunks=CHUNKS)),
 }
 
 
 def _options(**fields: Any) -> Any:
-    from lightning_dist.parallel.options import ParallelOptions
+    from lightning_dist.parallel.options import Parallelism
 
-    return ParallelOptions(**fields)
+    return Parallelism().with_fields(**fields)
 
 
 def _two_ranks() -> dict[str, Any]:

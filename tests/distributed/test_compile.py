@@ -38,7 +38,7 @@ def _fit(cfg) -> dict:
 @pytest.mark.parametrize(
     "layout",
     [
-        ["parallelism=fsdp", "parallelism.activation_checkpointing=selective"],
+        ["parallelism=fsdp", "parallelism.activation_checkpointing.mode=selective"],
         ["parallelism=pp"],
         ["parallelism=ddp"],  # the default layout: Lightning's DDP wraps the compiled blocks
     ],

@@ -33,7 +33,7 @@ from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 
 SEQ, BATCH, STEPS = 256, 4, 3  # the issue's sequence length
-DILOCO = {"sync": "diloco", "diloco_every": 2}  # replicas apart for a step, then the outer step (Nesterov)
+DILOCO = {"sync": "diloco", "every": 2}  # replicas apart for a step, then the outer step (Nesterov)
 MODEL = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=256)
 
 
@@ -93,7 +93,7 @@ def _fit(
             trainer.lightning_module, DataLoader(_loader(1).dataset.tensors[0][:2], batch_size=2)
         )
         out["predicted"] = _whole(predicted[0]).numpy()
-    modules = [trainer.lightning_module, *getattr(strategy._pipeline, "views", ())]  # under pp, the stages' views too
+    modules = [trainer.lightning_module, *getattr(strategy.pipeline, "views", ())]  # under pp, the stages' views too
     out["cp_left"] = sum(len(undo_context_parallel(module)) for module in modules)  # after teardown: none left
     return out
 
@@ -176,7 +176,7 @@ def _one_rank(root: str) -> dict[str, Any]:
 def _two_ranks(root: str) -> dict[str, Any]:
     cp2 = _fit(2, cp=2, dp_shard=1)  # first: the Trainer starts the process group, which the attention cases use
     out = {"cp2": cp2, "attention": {"gqa": _attention(4, 2), "mha": _attention(4, 4)}}
-    out["cp2-ac"] = _fit(2, cp=2, dp_shard=1, options={"activation_checkpointing": "full"})
+    out["cp2-ac"] = _fit(2, cp=2, dp_shard=1, options={"activation_checkpointing": {"mode": "full"}})
     out["resumed_tp2"] = _resumed(root, {"cp": 2}, {"tp": 2})
     out["resumed_cp2"] = _resumed(str(Path(root) / "from_tp2"), {"tp": 2}, {"cp": 2})
     out["diloco"] = _fit(2, dp_replicate=2, dp_shard=1, options=DILOCO)
@@ -286,7 +286,7 @@ def test_torchs_ring_is_used_only_where_it_agrees_with_the_exact_attention(two_r
         assert agrees["gaps"] == [0.0, 0.0] and agrees["ring_calls"] == 3 and not agrees["warnings"]  # 1 check + 2
         assert differs["gaps"] == [0.0, 0.0] and differs["ring_calls"] == 1  # checked once, then all-gather
         assert len(differs["warnings"]) == 1 and "differs from the exact attention by" in differs["warnings"][0]
-        assert rank["ring_checked"]["refused"].startswith("cp_attention=torch: torch's ring attention differs")
+        assert rank["ring_checked"]["refused"].startswith("context.attention=torch: torch's ring attention differs")
 
 
 def test_head_tail_round_trip_and_balance() -> None:

@@ -24,6 +24,7 @@ from lightning_dist.models.hf import HFCausalLM
 from lightning_dist.models.hf_context import ATTRIBUTE, CP_ATTENTION, cp_attention_forward
 from lightning_dist.models.optim import OptimConfig
 from lightning_dist.parallel.context import apply_context_parallel, shard_sequence, undo_context_parallel
+from lightning_dist.parallel.options import ContextOptions
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.run.launch import launch
 
@@ -119,12 +120,12 @@ def _used_alone_after_fit() -> dict[str, Any]:
 
 def _gpt_applied_undone_redone() -> dict[str, Any]:
     """Our GPT's cp changes applied, undone and made again: its outputs on this rank's shard (cp) or whole (alone)
-    against its own one-process outputs; and ``cp_attention=torch`` refused on gloo before any change."""
+    against its own one-process outputs; and ``context.attention=torch`` refused on gloo before any change."""
     gpt = GPT(GPTConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=SEQ))
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     rank, spec, group = dist.get_rank(), gpt_context_parallel_spec(""), dist.group.WORLD
     try:
-        apply_context_parallel(gpt, spec, group, attention="torch")
+        apply_context_parallel(gpt, spec, group, ContextOptions(attention="torch"))
         refused = ""
     except ValueError as err:
         refused = str(err)
@@ -169,7 +170,9 @@ def _one_rank() -> dict[str, Any]:
 
 def _two_ranks() -> dict[str, Any]:
     out = {"cp2": _fit(2, cp=2), "cp2-qwen2": _fit(2, "Qwen2", cp=2)}
-    out["cp2-ac"] = _fit(2, options={"activation_checkpointing": "full"}, cp=2)  # the recomputation all-gathers again
+    out["cp2-ac"] = _fit(
+        2, options={"activation_checkpointing": {"mode": "full"}}, cp=2
+    )  # the recomputation all-gathers again
     out["alone"] = _used_alone_after_fit()  # the same module alone after a cp2 fit
     out["gpt"], out["torch_ring"] = _gpt_applied_undone_redone(), _torchs_ring_on_our_shards()
     return {**out, "local_positions": _fit(2, module_class=LocalPositions, cp=2)}
@@ -218,7 +221,7 @@ def test_cp2_matches_one_process_sdpa(two_ranks: list, one_rank: dict) -> None:
         _assert_same_run(rank["cp2-qwen2"], one_rank["Qwen2"])
     describe = two_ranks[0]["cp2"]["describe"]
     assert "context parallel cp=2: head-tail sequence split; 2 attention modules: all-gather" in describe
-    assert "(cp_attention=auto on cpu: torch's ring attention has CUDA kernels only)" in describe  # what runs, why
+    assert "(context.attention=auto on cpu: torch's ring attention has CUDA kernels only)" in describe  # what runs, why
 
 
 def test_a_module_computes_alone_as_before_after_its_cp_fit(two_ranks: list) -> None:
@@ -233,8 +236,10 @@ def test_a_module_computes_alone_as_before_after_its_cp_fit(two_ranks: list) -> 
         assert gpt["gaps"]["cp"] < 1e-5 and gpt["gaps"]["redone"] < 1e-5  # applied, and made again after the undo
         assert gpt["gaps"]["undone"] == 0.0 and gpt["originals"] and gpt["hooks"] == 0
         assert gpt["changes"] == (3, 3, 0)  # 2 attention functions and the RoPE tables' hooks, made again once
-        assert gpt["refused"].startswith("cp_attention=torch runs torch's ring attention, whose kernels are CUDA's")
-        assert gpt["refused"].endswith("the ranks run on cpu; set cp_attention=allgather or auto.")
+        assert gpt["refused"].startswith(
+            "parallelism.context.attention=torch runs torch's ring attention, whose kernels"
+        )
+        assert gpt["refused"].endswith("the ranks run on cpu; set parallelism.context.attention=allgather or auto.")
 
 
 def test_torchs_ring_schedule_on_our_head_tail_shards_is_exact(two_ranks: list) -> None:

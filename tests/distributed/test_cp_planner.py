@@ -11,10 +11,10 @@ from lightning_dist.run.launch import launch
 #: Layouts where the cp group is no other axis's process group (see test_cp_spanning_the_world_is_reported_as_dp).
 LAYOUTS = {
     "cp2xfsdp2-full-bf16-mb2": ["parallelism=fsdp", "cluster.devices=4", "parallelism.cp=2", "parallelism.dp_shard=2",
-                                "parallelism.activation_checkpointing=full", "cluster.precision=bf16-mixed",
+                                "parallelism.activation_checkpointing.mode=full", "cluster.precision=bf16-mixed",
                                 "data.micro_batch_size=2"],
     "cp2xtp2-selective": ["parallelism=tp", "parallelism.tp=2", "cluster.devices=4", "parallelism.cp=2",
-                          "parallelism.dp_shard=1", "parallelism.activation_checkpointing=selective"],
+                          "parallelism.dp_shard=1", "parallelism.activation_checkpointing.mode=selective"],
 }  # fmt: skip
 STEPS = ["trainer.max_steps=3"]
 
@@ -49,7 +49,7 @@ def test_cp2_keeps_at_most_055_of_the_activations_and_the_planner_says_so() -> N
     """One 256-token sequence per rank (cp1: FSDP2 over 2 ranks) or split over 2 ranks (cp2): the bytes autograd
     keeps for the backward (saved-tensor hooks, parameters left out). Measured on this machine: 0.534; planned 0.536.
     Against the planner's absolute bytes (activations + the fp32 log-softmax the loss keeps): within 6%."""
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.measure import measure_activations
     from lightning_dist.plan.memory import LOGIT_BYTES, estimate_memory
 
@@ -59,7 +59,7 @@ def test_cp2_keeps_at_most_055_of_the_activations_and_the_planner_says_so() -> N
         ranks = launch(measure_activations, 2, cfg)
         assert ranks[0] == ranks[1]  # head-tail balancing: both cp ranks keep the same
         measured[cp] = ranks[0]["saved_bytes"]
-        found = estimate_memory(cfg.model, build_parallel_dims(cfg), options_of(cfg), local_params=0, seq_len=256,
+        found = estimate_memory(cfg.model, build_parallel_dims(cfg), cfg.parallelism, local_params=0, seq_len=256,
                                 micro_batch=1)  # fmt: skip
         planned[cp] = found.activations + found.logits * 4 // LOGIT_BYTES
         assert planned[cp] == pytest.approx(measured[cp], rel=0.06)

@@ -1,4 +1,4 @@
-"""``parallelism.cpu_offload=true``: FSDP2 keeps shards, gradients and optimizer state in host memory.
+"""``parallelism.fsdp.cpu_offload=true``: FSDP2 keeps shards, gradients and optimizer state in host memory.
 
 On this CPU-only machine the device is the host, so the copies FSDP2 makes are host to host: the test shows that
 the policy reaches every FSDP2 unit (whole models and pipeline stages) and that the curve stays one process's.
@@ -47,7 +47,7 @@ def _fit(cfg) -> dict:
 )
 def test_offloaded_shards_give_the_one_process_curve(layout: list[str], tmp_path: Path) -> None:
     reference = run_app([*FAST, "parallelism=fsdp", "cluster.devices=1"], tmp_path / "one")
-    cfg = compose_config([*FAST, *layout, "parallelism.cpu_offload=true"], tmp_path / "offload")
+    cfg = compose_config([*FAST, *layout, "parallelism.fsdp.cpu_offload=true"], tmp_path / "offload")
     for rank in launch(_fit, cfg.cluster.devices, cfg):
         assert rank["units"] > 0 and rank["offloaded"] == rank["units"]
         assert rank["state_devices"] == ["cpu"]
@@ -58,7 +58,7 @@ def test_offloaded_shards_give_the_one_process_curve(layout: list[str], tmp_path
 def test_offload_is_refused_without_shards() -> None:
     from lightning_dist.config.validate import validate
 
-    with pytest.raises(ValueError, match=r"parallelism.cpu_offload=true needs FSDP2 shards to offload"):
-        validate(compose_config([*FAST, "parallelism=tp", "parallelism.cpu_offload=true"]))
-    with pytest.raises(ValueError, match=r"parallelism.cpu_offload=true with parallelism=ddp"):
-        validate(compose_config([*FAST, "parallelism.cpu_offload=true"]))
+    with pytest.raises(ValueError, match=r"parallelism.fsdp.cpu_offload=true needs FSDP2 shards to offload"):
+        validate(compose_config([*FAST, "parallelism=tp", "parallelism.fsdp.cpu_offload=true"]))
+    with pytest.raises(ValueError, match=r"parallelism.fsdp.cpu_offload=true with parallelism=ddp"):
+        validate(compose_config([*FAST, "parallelism.fsdp.cpu_offload=true"]))

@@ -26,7 +26,7 @@ from lightning_dist.run.launch import launch
 from lightning_dist.telemetry import Telemetry
 
 WIDTH, SAMPLES, BATCH = 8, 16, 4  # per rank at dp=2: 2 steps an epoch
-EXACT = {"diloco_every": 1, "diloco_outer_lr": 1.0, "diloco_outer_momentum": 0.0, "diloco_nesterov": False}
+EXACT = {"every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 
 
 class Net(pl.LightningModule):
@@ -82,7 +82,7 @@ def _fit(root: Path, epochs: int, optimizer: str = "sgd", ckpt: Path | None = No
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1))
     strategy_obj = MeshStrategy(**strategy)
-    degrees = strategy_obj._degrees
+    degrees = strategy_obj.parallelism.degrees
     devices = degrees["dp_replicate"] * max(degrees["dp_shard"], 1) * degrees["tp"] * degrees["pp"]
     trainer = quiet_trainer(strategy_obj, devices,
                             max_steps=-1, callbacks=callbacks, max_epochs=epochs, default_root_dir=root,
@@ -105,15 +105,15 @@ def _local_numel(diloco: Any) -> int:
 def _two_ranks(root: str) -> dict[str, Any]:
     folder, replicas = Path(root), {"dp_replicate": 2, "dp_shard": 1}
     diloco = {**replicas, "sync": "diloco"}
-    streaming = {**diloco, "diloco_every": 4, "diloco_fragments": 2}
-    resumable = {**streaming, "diloco_delay": 1, "diloco_alpha": 0.25, "diloco_compression": "int8"}
+    streaming = {**diloco, "every": 4, "fragments": 2}
+    resumable = {**streaming, "delay": 1, "alpha": 0.25, "compression": "int8"}
     out = {
         "hsdp": _fit(folder / "hsdp", 2, telemetry=True, **replicas),
         "exact": _fit(folder / "exact", 2, telemetry=True, **diloco, **EXACT),
-        "h3": _fit(folder / "h3", 3, telemetry=True, **diloco, diloco_every=3),
+        "h3": _fit(folder / "h3", 3, telemetry=True, **diloco, every=3),
         "streaming": _fit(folder / "streaming", 4, **streaming),
-        "delayed": _fit(folder / "delayed", 4, **streaming, diloco_delay=1),
-        "int8": _fit(folder / "int8", 2, telemetry=True, **diloco, diloco_every=2, diloco_compression="int8"),
+        "delayed": _fit(folder / "delayed", 4, **streaming, delay=1),
+        "int8": _fit(folder / "int8", 2, telemetry=True, **diloco, every=2, compression="int8"),
         "whole": _fit(folder / "whole", 3, "adamw", **resumable),
     }
     # epoch 1 ends at step 2: fragment 1 started there and is due at step 3 (in flight at the save)
@@ -134,14 +134,14 @@ def _four_ranks(root: str) -> dict[str, Any]:
         # outer step after every inner step, where a resume may change dp_replicate)
         "sync_tp": _fit(folder / "sync_tp", 2, **tp),
         "exact_tp": _fit(folder / "exact_tp", 2, save=True, **tp, sync="diloco", **EXACT),
-        "h2_tp": _fit(folder / "h2_tp", 2, **tp, sync="diloco", diloco_every=2),
+        "h2_tp": _fit(folder / "h2_tp", 2, **tp, sync="diloco", every=2),
         # pipeline stages inside each replica: the pseudo-gradient of each rank's stage
         "sync_pp": _fit(folder / "sync_pp", 2, **pp),
         "exact_pp": _fit(folder / "exact_pp", 2, **pp, sync="diloco", **EXACT),
-        "h2_pp": _fit(folder / "h2_pp", 2, **pp, sync="diloco", diloco_every=2),
+        "h2_pp": _fit(folder / "h2_pp", 2, **pp, sync="diloco", every=2),
     }
     # a tp2 checkpoint of step 2 (an exchange in flight, due at 3; replicas and their AdamW states apart) resumed as pp2
-    resumable = {"sync": "diloco", "diloco_every": 2, "diloco_delay": 1, "diloco_alpha": 0.25}
+    resumable = {"sync": "diloco", "every": 2, "delay": 1, "alpha": 0.25}
     out["whole_tp"] = _fit(folder / "whole_tp", 3, "adamw", **tp, **resumable, module=PipeNet)
     _fit(folder / "first_tp", 1, "adamw", save=True, **tp, **resumable, module=PipeNet)
     ckpt = next((folder / "first_tp").glob("epoch=0*"))

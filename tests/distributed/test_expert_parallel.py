@@ -22,7 +22,7 @@ from lightning_dist import MeshStrategy
 from lightning_dist.models.gpt import GPTConfig, MoEConfig
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.collectives import per_axis
 from lightning_dist.plan.experts import expert_collectives
@@ -142,7 +142,7 @@ def _one_rank(root: str) -> dict[str, Any]:
 
 def _two_ranks(root: str, one_process_ckpt: str) -> dict[str, Any]:
     out = {"ep2": _fit(2, dp_shard=2, ep=2), "tp2": _fit(2, tp=2, dp_shard=1)}
-    out["ep2-ac"] = _fit(2, dp_shard=2, ep=2, options={"activation_checkpointing": "full"})
+    out["ep2-ac"] = _fit(2, dp_shard=2, ep=2, options={"activation_checkpointing": {"mode": "full"}})
     out["ep2-acc2"] = _fit(2, dp_shard=2, ep=2, accumulate=2)
     out["ep2->ep1"] = _resumed(root, 2, {"dp_shard": 2, "ep": 2}, {"dp_shard": 2})
     out["1->ep2"] = _resumed(one_process_ckpt, 2, None, {"dp_shard": 2, "ep": 2})
@@ -255,7 +255,7 @@ def test_an_ep2_checkpoint_resumes_under_ep4(four_ranks: list, one_rank: dict) -
 @pytest.mark.parametrize(
     ("layout", "ranks", "degrees", "options"),
     [("ep2", 2, {"dp_shard": 2, "ep": 2}, {}),
-     ("ep2-ac", 2, {"dp_shard": 2, "ep": 2}, {"activation_checkpointing": "full"}),
+     ("ep2-ac", 2, {"dp_shard": 2, "ep": 2}, {"activation_checkpointing": {"mode": "full"}}),
      ("ep2xfsdp2", 4, {"dp_shard": 4, "ep": 2}, {}),
      ("ep2xtp2", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, {}),
      ("pp2xep2", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, {})],
@@ -265,8 +265,8 @@ def test_the_ep_all_to_all_bytes_are_the_planned_ones(layout, ranks, degrees, op
     own count follows the routing), are the planner's: the counts, the rows both ways, their gradients, a recomputed
     forward's. A pipeline's first step also runs torch's shape inference through its stage (compared from step 2)."""
     runs, dims = (two_ranks if ranks == 2 else four_ranks), ParallelDims(ranks, **degrees)
-    options = ParallelOptions(**options).for_mesh()
-    micro_batch = BATCH // dims.dp_size // (options.num_microbatches(dims.pp) if dims.pp > 1 else 1)
+    options = Parallelism().with_fields(**options)
+    micro_batch = BATCH // dims.dp_size // (options.pipeline.num_microbatches(dims.pp) if dims.pp > 1 else 1)
     for rank in range(ranks):
         coords = dims.coordinates(rank)
         group = [r for r in range(ranks) if {k: v for k, v in dims.coordinates(r).items() if k != "dp_shard"} ==

@@ -20,7 +20,7 @@ from lightning_dist import MeshStrategy, PipelineParallelStrategy, TensorParalle
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.module import GPTModule
 from lightning_dist.models.optim import OptimConfig
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.run.launch import launch
 from lightning_dist.strategies import DataParallelStrategy
 
@@ -69,7 +69,7 @@ CASES: dict[str, tuple[tuple[str, int], int, Any]] = {
     "ddp2-tensorwise": (
         ("tensorwise", 2),
         2,
-        lambda: DataParallelStrategy(options=ParallelOptions(float8="tensorwise")),
+        lambda: DataParallelStrategy(parallelism=Parallelism(float8="tensorwise")),
     ),
 }
 
@@ -80,7 +80,7 @@ def _two_ranks() -> dict[str, Any]:
     results["cp2-tensorwise"] = _fit(MeshStrategy(cp=2, dp_shard=1, float8="tensorwise"), 2)
     # DiLoCo: two replicas apart for a step, then the outer step (tensorwise over a size-1 FSDP2 mesh per replica)
     for recipe in ("off", "tensorwise"):
-        diloco = MeshStrategy(dp_replicate=2, dp_shard=1, sync="diloco", diloco_every=2, float8=recipe)
+        diloco = MeshStrategy(dp_replicate=2, dp_shard=1, sync="diloco", every=2, float8=recipe)
         results[f"diloco2-{recipe}"] = _fit(diloco, 2, dp=2)
     try:
         _fit(TensorParallelStrategy(tp=2, float8="tensorwise"), 2)

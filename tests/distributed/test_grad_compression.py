@@ -1,4 +1,4 @@
-"""Compressed synchronous gradients: DDP's communication hooks (``ddp_comm_hook``) and FSDP2's ``reduce_dtype``.
+"""Compressed synchronous gradients: DDP's communication hooks (``ddp.comm_hook``) and FSDP2's ``fsdp.reduce_dtype``.
 
 Measured by the telemetry on 2 gloo ranks: bf16 halves the bytes of the gradient reduction and leaves the others
 alone; the run still trains to nearly the same loss (the sums are rounded, so not exactly).
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_dist import MeshStrategy
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import DDPOptions, Parallelism
 from lightning_dist.run.launch import launch
 from lightning_dist.strategies.data_parallel import DataParallelStrategy
 from lightning_dist.telemetry import Telemetry
@@ -60,8 +60,11 @@ def _fit(strategy: pl.strategies.Strategy) -> dict[str, Any]:
 
 def _rank(_: Any) -> dict[str, Any]:
     # fp16: torch's DDP refuses its bf16 hook without CUDA + NCCL (the strategy says so before it starts).
-    ddp = {hook: _fit(DataParallelStrategy(options=ParallelOptions(ddp_comm_hook=hook))) for hook in (None, "fp16")}
-    ddp["powersgd"] = _fit(DataParallelStrategy(options=ParallelOptions(ddp_comm_hook="powersgd")))
+    def ddp_with(hook: str | None) -> DataParallelStrategy:
+        return DataParallelStrategy(parallelism=Parallelism().with_fields(comm_hook=hook))
+
+    ddp = {hook: _fit(ddp_with(hook)) for hook in (None, "fp16")}
+    ddp["powersgd"] = _fit(ddp_with("powersgd"))
     fsdp = {dtype: _fit(MeshStrategy(dp_shard=2, reduce_dtype=dtype)) for dtype in (None, "bf16")}
     return {"ddp": ddp, "fsdp": fsdp}
 
@@ -90,9 +93,11 @@ def test_fsdp_reduce_dtype_bf16_halves_the_reduce_scatter_only(runs: list[dict[s
 
 
 def test_each_strategy_refuses_the_others_compression() -> None:
-    with pytest.raises(ValueError, match=r"^ddp_comm_hook='bf16' is Lightning DDP's; FSDP2 .* reduce_dtype='bf16'"):
-        MeshStrategy(ddp_comm_hook="bf16")
-    with pytest.raises(ValueError, match=r"^reduce_dtype='bf16' is FSDP2's; Lightning's DDP .* ddp_comm_hook='bf16'"):
-        DataParallelStrategy(options=ParallelOptions(reduce_dtype="bf16"))
-    with pytest.raises(ValueError, match=r"^ddp_comm_hook='int4' is unknown; use bf16, fp16, powersgd or null"):
-        ParallelOptions(ddp_comm_hook="int4")
+    with pytest.raises(ValueError, match=r"^parallelism.ddp.comm_hook='bf16' is Lightning DDP's; FSDP2 .*reduce_dtype"):
+        MeshStrategy(comm_hook="bf16")
+    with pytest.raises(ValueError, match=r"^parallelism.fsdp.reduce_dtype='bf16' is FSDP2's; Lightning's DDP .*bf16"):
+        DataParallelStrategy(parallelism=Parallelism().with_fields(reduce_dtype="bf16"))
+    with pytest.raises(
+        ValueError, match=r"^parallelism.ddp.comm_hook='int4' is unknown; use bf16, fp16, powersgd, null"
+    ):
+        DDPOptions(comm_hook="int4")

@@ -143,7 +143,7 @@ def test_the_adapter_export_loads_with_peft_and_the_merged_export_with_transform
 def test_the_built_in_gpt_under_tp2_with_sequence_parallelism_matches_one_process(tmp_path: Path) -> None:
     common = [*FAST, *LORA, f"trainer.max_steps={STEPS}", "optim.lr=1e-3"]
     one = run_app([*common, *LAYOUTS["one"]], tmp_path / "one")
-    tp2 = run_app([*common, *LAYOUTS["tp2"], "parallelism.sequence_parallel=true"], tmp_path / "tp2")
+    tp2 = run_app([*common, *LAYOUTS["tp2"], "parallelism.tensor.sequence_parallel=true"], tmp_path / "tp2")
     np.testing.assert_allclose(losses(tp2), losses(one), rtol=1e-5)
     assert losses(one)[-1] < losses(one)[0]
 

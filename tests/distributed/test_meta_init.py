@@ -77,7 +77,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ["parallelism=fsdp"],
         ["parallelism=tp_fsdp", "parallelism.tp=2"],
         # Each stage is sharded before it is materialized: a rank holds a quarter, never its whole stage.
-        ["parallelism=pp", "parallelism.split_points=[layers.4]"],
+        ["parallelism=pp", "parallelism.pipeline.split_points=[layers.4]"],
     ],
     ids=["fsdp4", "tp2xfsdp2", "pp2xfsdp2"],
 )

@@ -33,7 +33,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ["parallelism=fsdp", "cluster.devices=2"],
         ["parallelism=tp_fsdp", "cluster.devices=4"],
         ["parallelism=tp", "cluster.devices=2"],  # autocast alone: fp32 residual stream, bf16 matmul outputs
-        ["parallelism=pp", "cluster.devices=2", "parallelism.microbatches=4"],
+        ["parallelism=pp", "cluster.devices=2", "parallelism.pipeline.microbatches=4"],
     ],
     ids=["fsdp2", "tp2xfsdp2", "tp2", "pp2"],
 )

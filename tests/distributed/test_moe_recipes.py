@@ -134,7 +134,7 @@ def test_moe_recipe_ranks_hold_the_planned_states_and_fit_an_h100(recipe: str, t
     assert round(found.memory.total / GIB, 1) == stated_gib  # the numbers the recipe states
     assert round(found.tokens_per_sec_per_device) == stated_tokens
     assert found.memory.fits(H100_GIB), found.memory.gib()
-    if cfg.parallelism.cpu_offload:  # the states are on the host: on the device they would not fit
+    if cfg.parallelism.fsdp.cpu_offload:  # the states are on the host: on the device they would not fit
         assert found.memory.offloaded
         states = found.memory.params + found.memory.grads + found.memory.optimizer
         assert (found.memory.total / (1 + found.memory.margin) + states) / GIB > H100_GIB

@@ -49,8 +49,8 @@ def _fit_all_ranks(cfg) -> dict:
 def test_single_stage_schedules_match_one_process_on_every_rank(reference: dict, tmp_path: Path) -> None:
     """GPipe and 1F1B at pp=2; the loss every rank logs (not only the last stage's) is the one-process loss."""
     for schedule in ("GPipe", "1F1B"):
-        overrides = [*FAST, "parallelism=pp", "cluster.devices=2", f"parallelism.schedule={schedule}"]
-        cfg = compose_config([*overrides, "parallelism.microbatches=4"], tmp_path / schedule)
+        overrides = [*FAST, "parallelism=pp", "cluster.devices=2", f"parallelism.pipeline.schedule={schedule}"]
+        cfg = compose_config([*overrides, "parallelism.pipeline.microbatches=4"], tmp_path / schedule)
         ranks = launch(_fit_all_ranks, 2, cfg)
         for rank in ranks:
             assert_same_run(rank, reference)
@@ -60,9 +60,10 @@ def test_single_stage_schedules_match_one_process_on_every_rank(reference: dict,
     "schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 )
 def test_multi_stage_schedules_match_one_process(schedule: str, reference_4l: dict, tmp_path: Path) -> None:
-    layout = ["parallelism=pp", "cluster.devices=2", f"parallelism.schedule={schedule}"]
+    layout = ["parallelism=pp", "cluster.devices=2", f"parallelism.pipeline.schedule={schedule}"]
     result = run_app(
-        [*FAST, *layout, FOUR_LAYERS, "parallelism.stages_per_rank=2", "parallelism.microbatches=4"], tmp_path
+        [*FAST, *layout, FOUR_LAYERS, "parallelism.pipeline.stages_per_rank=2", "parallelism.pipeline.microbatches=4"],
+        tmp_path,
     )
     assert_same_run(result, reference_4l)
 
@@ -76,7 +77,7 @@ def test_multi_stage_schedules_match_one_process(schedule: str, reference_4l: di
     ids=["pp2xfsdp2", "pp2xtp2"],
 )
 def test_pipeline_composes_with_fsdp_and_tp(layout: list[str], reference: dict, tmp_path: Path) -> None:
-    result = run_app([*FAST, *layout, "parallelism.microbatches=2"], tmp_path)
+    result = run_app([*FAST, *layout, "parallelism.pipeline.microbatches=2"], tmp_path)
     assert_same_run(result, reference)
     # strategy.describe(all_ranks=True), as the app keeps it: which stage, blocks, TP styles and FSDP2 units each
     # rank holds (the 2-block GPT: one block per stage).
@@ -291,5 +292,9 @@ def test_bubble_fraction_matches_gpipe_theory(microbatches: int) -> None:
 def test_pp1_with_virtual_stages_and_dp_matches_one_process(reference_4l: dict, tmp_path: Path) -> None:
     """pp=1 is a layout without pipeline peers: virtual stages must never send to a data-parallel peer."""
     layout = ["parallelism=pp", "parallelism.pp=1", "parallelism.dp_shard=2", "cluster.devices=2"]
-    schedule = ["parallelism.schedule=Interleaved1F1B", "parallelism.stages_per_rank=2", "parallelism.microbatches=4"]
+    schedule = [
+        "parallelism.pipeline.schedule=Interleaved1F1B",
+        "parallelism.pipeline.stages_per_rank=2",
+        "parallelism.pipeline.microbatches=4",
+    ]
     assert_same_run(run_app([*FAST, *layout, *schedule, FOUR_LAYERS], tmp_path), reference_4l)

@@ -18,7 +18,7 @@ LAYOUTS = {
                            "cluster.precision=bf16-mixed"],
     "tp2xfsdp2-bf16": ["parallelism=tp_fsdp", "cluster.devices=4", "cluster.precision=bf16-mixed"],
     "hsdp2x2-full": ["parallelism=fsdp", "cluster.devices=4", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
-                     "parallelism.activation_checkpointing=full"],
+                     "parallelism.activation_checkpointing.mode=full"],
 }  # fmt: skip
 
 
@@ -71,15 +71,18 @@ def _peaks(configs: list[Any]) -> list[int]:
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
     """MemTracker's peak of one step of an 8B-wide GPT: the base, the vocabulary doubled, a second block."""
-    selective = ["parallelism.activation_checkpointing=selective", "data.global_batch_size=16"]  # activations dominate
+    selective = [
+        "parallelism.activation_checkpointing.mode=selective",
+        "data.global_batch_size=16",
+    ]  # activations dominate
+    op_half = "parallelism.activation_checkpointing.selective=op_half"
     runs = {"base": ["model.vocab_size=8192", "model.n_layers=1"],
             "vocab": ["model.vocab_size=16384", "model.n_layers=1"],
             "block": ["model.vocab_size=8192", "model.n_layers=2"],
             "selective": ["model.vocab_size=8192", "model.n_layers=1", *selective],
             "selective_block": ["model.vocab_size=8192", "model.n_layers=2", *selective],
-            "op_half": ["model.vocab_size=8192", "model.n_layers=1", *selective, "parallelism.ac_selective=op_half"],
-            "op_half_block": ["model.vocab_size=8192", "model.n_layers=2", *selective,
-                              "parallelism.ac_selective=op_half"]}  # fmt: skip
+            "op_half": ["model.vocab_size=8192", "model.n_layers=1", *selective, op_half],
+            "op_half_block": ["model.vocab_size=8192", "model.n_layers=2", *selective, op_half]}  # fmt: skip
     configs = [compose_config([*FAST, *WIDE, *extra]) for extra in runs.values()]
     return dict(zip(runs, launch(_peaks, 1, configs)[0]))
 

@@ -25,11 +25,11 @@ def _trace(recipe: str, rank: int):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
-    from lightning_dist.config.validate import build_parallel_dims, options_of
-    from lightning_dist.parallel.options import ParallelOptions
+    from lightning_dist.config.validate import build_parallel_dims
+    from lightning_dist.parallel.options import Parallelism
 
     cfg = compose_config([f"recipe={recipe}"])
-    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    dims, options = build_parallel_dims(cfg), cfg.parallelism
     data = cfg.data
     expected = count_local_params(cfg.model, tp=dims.tp, dp_shard=dims.dp_shard)
     with torch.device("meta"):
@@ -50,7 +50,7 @@ def test_recipe_ranks_hold_their_share_and_fit_an_h100(recipe: str) -> None:
         assert estimate.fits(H100_GIB), estimate.gib()
     # What the recipe settings buy: the whole per-rank batch in one forward, nothing recomputed, would not fit.
     per_rank = data.global_batch_size // dims.dp_size
-    plain = estimate_memory(cfg.model, dims, ParallelOptions(), local_params=expected, seq_len=data.seq_len,
+    plain = estimate_memory(cfg.model, dims, Parallelism(), local_params=expected, seq_len=data.seq_len,
                             micro_batch=per_rank)  # fmt: skip
     assert not plain.fits(H100_GIB), plain.gib()
 
@@ -75,7 +75,13 @@ def test_the_planner_counts_what_a_traced_rank_holds() -> None:
     model = ["model=llama_70b", "cluster=node_8gpu", "cluster.num_nodes=8"]
     layouts = {
         (1, 64, 1): [*model, "parallelism=fsdp"],
-        (4, 4, 4): [*model, "parallelism=3d", "parallelism.tp=4", "parallelism.pp=4", "parallelism.microbatches=4"],
+        (4, 4, 4): [
+            *model,
+            "parallelism=3d",
+            "parallelism.tp=4",
+            "parallelism.pp=4",
+            "parallelism.pipeline.microbatches=4",
+        ],
     }
     traced = launch(_trace_layouts, 1, list(layouts.values()))[0]
     cfg = compose_config(model)
@@ -99,7 +105,7 @@ def test_the_finetune_recipe_traces_at_full_size_and_fits(tmp_path) -> None:
     from transformers import LlamaConfig
 
     from lightning_dist.config.build import planned_model
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
 
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -107,7 +113,7 @@ def test_the_finetune_recipe_traces_at_full_size_and_fits(tmp_path) -> None:
     overrides = ["recipe=llama_8b_finetune_8gpu", "model.pretrained=null", f"model.config={tmp_path}",
                  f"data.path={tmp_path / 'sft.jsonl'}"]  # fmt: skip
     cfg = compose_config(overrides)
-    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    dims, options = build_parallel_dims(cfg), cfg.parallelism
     model = planned_model(cfg.model)
     expected = count_local_params(model, dp_shard=dims.dp_shard)
     assert expected * dims.dp_shard == pytest.approx(8.03e9, rel=0.01)  # a 1/8 share of Llama 3.1 8B
@@ -133,7 +139,7 @@ def test_the_lora_recipe_plans_state_for_the_adapters_only_on_8_gpus_and_on_1(tm
     from transformers import LlamaConfig
 
     from lightning_dist.config.build import planned_model
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.memory import lora_block_params
 
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -142,7 +148,7 @@ def test_the_lora_recipe_plans_state_for_the_adapters_only_on_8_gpus_and_on_1(tm
     overrides = ["recipe=llama_8b_lora_chat", "model.pretrained=null", f"model.config={tmp_path}",
                  f"data.path={tmp_path / 'chats.jsonl'}"]  # fmt: skip
     cfg = compose_config(overrides)
-    dims, options = build_parallel_dims(cfg), options_of(cfg)
+    dims, options = build_parallel_dims(cfg), cfg.parallelism
     model = planned_model(cfg.model)
     adapters = model.n_layers * lora_block_params(model)
     assert adapters == 41_943_040  # rank 16 on q, k, v, o, gate, up, down of 32 layers
@@ -155,6 +161,6 @@ def test_the_lora_recipe_plans_state_for_the_adapters_only_on_8_gpus_and_on_1(tm
     assert optimizer_bytes == pytest.approx(estimate.optimizer, rel=1e-3)  # AdamW's two moments, adapters only
     assert estimate.gib()["total"] == pytest.approx(28.8, abs=0.1)  # the numbers the recipe states
     one = compose_config([*overrides, "cluster.devices=1", "data.micro_batch_size=2"])
-    single = estimate_memory(model, build_parallel_dims(one), options_of(one), local_params=base * 8,
+    single = estimate_memory(model, build_parallel_dims(one), one.parallelism, local_params=base * 8,
                              seq_len=one.data.seq_len, micro_batch=2)  # fmt: skip
     assert single.gib()["total"] == pytest.approx(43.8, abs=0.1) and single.fits(H100_GIB)

@@ -135,8 +135,8 @@ LAYOUTS = {
     "pp2-interleaved": [
         "parallelism=pp",
         "cluster.devices=2",
-        "parallelism.schedule=Interleaved1F1B",
-        "parallelism.stages_per_rank=2",
+        "parallelism.pipeline.schedule=Interleaved1F1B",
+        "parallelism.pipeline.stages_per_rank=2",
     ],
     "pp2xdp2": ["parallelism=pp", "cluster.devices=4"],
     "pp2xtp2": ["parallelism=3d", "cluster.devices=4", "parallelism.dp_shard=1"],

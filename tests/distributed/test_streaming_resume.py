@@ -1,10 +1,15 @@
 """data=hf data.streaming=true in the app: a weighted mixture of two sources, streamed; two data-parallel ranks give
 the one-process curve (and val/loss, from a cached data.val_path), and a run resumed from a checkpoint taken
 mid-stream (under another data-parallel size) continues the stream exactly: the losses of the uninterrupted run. The
-sources are short: the first pass over them is 19 windows (2 steps and 3 windows), the second 20, so the run trains on
-three passes, a global batch holds the end of one pass and the start of the next, and the checkpoint of step 4 is taken
-in the second pass (before this was handled, an epoch ended with each pass, its last part-batch dropped, and that
-resume continued from another window: other losses)."""
+sources are short (a pass over the first is 8.3 windows, over the second 5.2; weights 1 : 3 of the 64 windows), so the
+run reads the first about twice and the second nine times, windows hold the end of one pass and the start of the next,
+and the checkpoint of step 4 is taken in the second source's fifth pass (before passes were handled, an epoch ended
+with each pass, its last part-batch dropped, and that resume continued from another window: other losses).
+
+With data.num_streams=4 (each source four files) the sources' shards are dealt to 4 streams: one process, two ranks
+(each reading two streams) and four ranks (each reading one, only its own files) train on the same batches; a
+checkpoint of the two-rank run, whose rank 0 holds only the states of streams 0 and 2 (the ranks gather them), resumed
+under four ranks continues it exactly."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ VAL = [f"alpha {i}: the quick brown fox jumps over the lazy dog number {i * 7 % 
 STOP, STEPS = 4, 8
 ONE_PROCESS = ["parallelism=ddp", "cluster.devices=1"]  # one .ckpt file
 DP2 = ["parallelism=fsdp", "cluster.devices=2"]
+DP4 = ["parallelism=fsdp", "cluster.devices=4"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,35 @@ def test_streamed_mixture_under_dp2_and_resumed_mid_stream_continues_exactly(run
     # Saved at step 4 while the loader had read ahead: the position saved is the windows trained on, not those read.
     checkpoint = tmp_path / "one" / "checkpoints" / f"step-{STOP:08d}"
     position = torch.load(checkpoint, weights_only=False)["TokenDataModule"]["stream"]
-    assert position["window"] == STOP * 8 and position["pass"] == 1  # in the second pass over the sources
+    passes = [source["pass"] for source in position["streams"][0]["sources"]]
+    assert position["window"] == STOP * 8 and passes == [0, 4]  # the second source in its fifth pass
     resumed = run_app([*run, *DP2, f"ckpt_path={checkpoint}"], tmp_path / "resumed")  # under another dp size
+    assert [record["step"] for record in resumed["history"]] == [float(s) for s in range(STOP + 1, STEPS + 1)]
+    np.testing.assert_allclose(losses(resumed), losses(whole)[STOP:], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sharded(run: list[str], tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The run's overrides with each source four files, dealt to data.num_streams=4."""
+    root = tmp_path_factory.mktemp("sharded")
+    paths = []
+    for name, texts in (("a", A * 4), ("b", B * 4)):
+        (root / name).mkdir()
+        for shard in range(4):
+            rows = [f"{text} (shard {shard})" for text in texts[shard::4]]
+            (root / name / f"part-{shard}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+        paths.append(str(root / name))
+    keep = [o for o in run if not o.startswith(("data.path=", "data.val_path=", "trainer.val_check_interval="))]
+    return [*keep, f"data.path=[{','.join(paths)}]", "data.num_streams=4", "trainer.limit_val_batches=0"]
+
+
+def test_with_streams_one_process_dp2_and_dp4_train_alike_and_dp2_resumes_under_dp4(
+    sharded: list[str], tmp_path: Path
+) -> None:
+    whole = run_app([*sharded, *ONE_PROCESS], tmp_path / "one")
+    dp2 = run_app([*sharded, *DP2], tmp_path / "dp2")  # each rank reads two streams
+    np.testing.assert_allclose(losses(dp2), losses(whole), rtol=1e-5)
+    checkpoint = tmp_path / "dp2" / "checkpoints" / f"step-{STOP:08d}"
+    resumed = run_app([*sharded, *DP4, f"ckpt_path={checkpoint}"], tmp_path / "resumed")  # each rank reads one
     assert [record["step"] for record in resumed["history"]] == [float(s) for s in range(STOP + 1, STEPS + 1)]
     np.testing.assert_allclose(losses(resumed), losses(whole)[STOP:], rtol=1e-5)

@@ -112,7 +112,7 @@ def test_the_built_in_gpt_on_the_same_data_matches_under_tensor_and_loss_paralle
     gpt = [o for o in setup if not o.startswith(("model.", "model="))]
     gpt += [f"data.tokenizer={folder}", "model.vocab_size=320", "model.max_seq_len=64"]
     one = run_app([*gpt, *LAYOUTS["one"]], tmp_path / "one")
-    tp2 = run_app([*gpt, *LAYOUTS["tp2"], "parallelism.loss_parallel=true"], tmp_path / "tp2")
+    tp2 = run_app([*gpt, *LAYOUTS["tp2"], "parallelism.tensor.loss_parallel=true"], tmp_path / "tp2")
     np.testing.assert_allclose(losses(tp2), losses(one), rtol=1e-5)
     np.testing.assert_allclose(tp2["val_loss"], one["val_loss"], rtol=1e-5)
 

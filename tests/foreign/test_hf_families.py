@@ -11,7 +11,7 @@
   experts split over ep (Mixtral, Qwen3-MoE), Qwen3-MoE's router (a tuple of outputs) and dense-layer plan entries
   under tp, Qwen2-MoE's one-row shared-expert gate sharded unevenly by FSDP2.
 - What the matrix refuses is one line before launch, and so are an attention implementation a family lacks and a
-  bad ``parallelism.tp_plan``.
+  bad ``parallelism.tensor.plan``.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def test_a_refused_family_layout_is_one_line_before_launch(family: str, layout: 
 def test_a_strategy_given_hf_causal_lm_directly_checks_ep_against_the_matrix() -> None:
     """Without the app's config check (a user's own Trainer and MeshStrategy(ep=2)), the module refuses ep for a
     family the matrix does not vouch for, before anything is sharded."""
+    from lightning_dist.contract import declared_ep_spec
     from lightning_dist.models.hf import HFCausalLM
-    from lightning_dist.strategies.mesh import declared_ep_spec
 
     with pytest.raises(ValueError, match=r"parallelism.ep=2 with model=hf 'llama': not exact .*ep2: ValueError: ep=2"):
         declared_ep_spec(HFCausalLM(tiny_config("llama")), 2)
@@ -154,8 +154,8 @@ def test_a_family_the_matrix_does_not_list_is_refused_unless_asked(tmp_path: Pat
 def test_a_tensor_parallel_plan_from_the_command_line(tmp_path: Path) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text("model.model.layers.*.self_attn.q_proj: colwise\nmodel.model.layers.*.self_attn.o_proj: rowwise\n")
-    overrides = [*HF_FAST, "model.config=tiny_llama", "parallelism=tp", f"parallelism.tp_plan={plan}"]
-    assert dict(validate(compose_config(overrides)).options.plan) == {
+    overrides = [*HF_FAST, "model.config=tiny_llama", "parallelism=tp", f"parallelism.tensor.plan={plan}"]
+    assert dict(validate(compose_config(overrides)).parallelism.tensor.plan) == {
         "model.model.layers.*.self_attn.q_proj": "colwise",
         "model.model.layers.*.self_attn.o_proj": "rowwise",
     }

@@ -1,4 +1,4 @@
-"""torch's ring attention for context parallelism (``parallelism.cp_attention=torch``, what ``auto`` runs on CUDA)
+"""torch's ring attention for context parallelism (``parallelism.context.attention=torch``, what ``auto`` runs on CUDA)
 against one process: the attention alone (forward and backward, bf16 flash with grouped-query K/V and fp32, both
 rotate methods), and a cp2 training run against the all-gather attention's. Needs 2 GPUs (NCCL)."""
 
@@ -72,8 +72,8 @@ def test_torchs_ring_attention_equals_one_process(dtype: str, rotate: str, kv_he
 def test_cp2_training_with_torchs_ring_equals_the_all_gather_attention(tmp_path: Path) -> None:
     base = [*FAST, "trainer.max_steps=5", "cluster=gpu", "cluster.devices=2", "cluster.precision=32-true",
             "parallelism=fsdp", "parallelism.cp=2", "parallelism.dp_shard=1"]  # fmt: skip
-    ring = run_app([*base, "parallelism.cp_attention=auto"], tmp_path / "ring")
-    gathered = run_app([*base, "parallelism.cp_attention=allgather"], tmp_path / "allgather")
+    ring = run_app([*base, "parallelism.context.attention=auto"], tmp_path / "ring")
+    gathered = run_app([*base, "parallelism.context.attention=allgather"], tmp_path / "allgather")
     assert "torch's ring attention" in ring["rank_layouts"][0]["context"]  # what runs: auto on CUDA is torch's ring
     assert "all-gather of K/V" in gathered["rank_layouts"][0]["context"]
     for a, b in zip(losses(ring), losses(gathered), strict=True):

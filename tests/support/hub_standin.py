@@ -45,6 +45,15 @@ class HubStandIn:
         """How many GET requests downloaded a path ending in ``suffix``."""
         return sum(1 for r in self.requests if r["method"] == "GET" and r["path"].endswith(suffix))
 
+    def bytes_read(self, suffix: str = "") -> dict[str, int]:
+        """The bytes of each file (a path ending in ``suffix``) that GET requests fetched, by path in the repo."""
+        read: dict[str, int] = {}
+        for r in self.requests:
+            if r["method"] == "GET" and r.get("bytes") and r["path"].endswith(suffix):
+                name = r["path"].split("/resolve/", 1)[-1].split("/", 1)[-1]
+                read[name] = read.get(name, 0) + r["bytes"]
+        return read
+
     def __enter__(self) -> HubStandIn:
         self._thread.start()
         return self
@@ -61,9 +70,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _record(self) -> None:
-        self.hub.requests.append({"method": self.command, "path": unquote(self.path.split("?")[0]),
-                                  "authorization": self.headers.get("Authorization"),
-                                  "range": self.headers.get("Range")})  # fmt: skip
+        self.current = {
+            "method": self.command,
+            "path": unquote(self.path.split("?")[0]),
+            "authorization": self.headers.get("Authorization"),
+            "range": self.headers.get("Range"),
+        }
+        self.hub.requests.append(self.current)
 
     def do_HEAD(self) -> None:
         self._record()
@@ -200,6 +213,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, data if body else None, headers, length=len(data))
 
     def _send(self, code: int, data: bytes | None, headers: dict[str, str], length: int | None = None) -> None:
+        if data is not None and self.command == "GET":
+            self.current["bytes"] = len(data)  # what this request fetched
         self.send_response(code)
         for key, value in headers.items():
             self.send_header(key, value)

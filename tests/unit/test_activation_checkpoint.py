@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_dist.parallel.options import ActivationCheckpointOptions
 
 CFG = GPTConfig(vocab_size=64, n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64)
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
@@ -31,7 +32,7 @@ def _saved_bytes_and_grads(
     torch.manual_seed(0)
     model = GPT(CFG)
     model.init_weights(0)
-    apply_activation_checkpointing(list(model.layers.values()), mode, selective)
+    apply_activation_checkpointing(list(model.layers.values()), ActivationCheckpointOptions(mode, selective))
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
     saved = 0
 
@@ -78,9 +79,11 @@ def test_saved_activation_bytes_fall_as_expected(runs) -> None:
 
 
 def test_unknown_modes_are_one_line_errors() -> None:
-    with pytest.raises(ValueError, match=r"activation_checkpointing='half' is unknown; use one of none, full"):
-        apply_activation_checkpointing([], "half")
-    with pytest.raises(ValueError, match=r"ac_selective='0': use 'op' \(keep matmul outputs\), 'op_half'"):
-        apply_activation_checkpointing([], "selective", "0")
+    with pytest.raises(ValueError, match=r"activation_checkpointing.mode='half' is unknown; use none, full"):
+        ActivationCheckpointOptions("half")
+    with pytest.raises(
+        ValueError, match=r"activation_checkpointing.selective='0': use op \(keep matmul outputs\), op_half"
+    ):
+        ActivationCheckpointOptions("selective", "0")
     with pytest.raises(ValueError, match=r"needs the model's blocks: define pipeline_spec"):
-        apply_activation_checkpointing([], "full")
+        apply_activation_checkpointing([], ActivationCheckpointOptions("full"))

@@ -11,9 +11,9 @@ import torch
 from helpers import FAST, compose_config
 
 from lightning_dist import MeshStrategy, ParallelDims
+from lightning_dist.config.build import build_strategy
 from lightning_dist.config.validate import validate
-from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.strategies import build_strategy
+from lightning_dist.parallel.options import PipelineOptions
 
 
 def test_accelerator_auto_means_cpu_without_cuda() -> None:
@@ -38,16 +38,16 @@ def test_the_progress_bar_follows_the_terminal_unless_set(monkeypatch: pytest.Mo
 
 
 def test_the_strategy_gets_the_layout_and_options_validate_built() -> None:
-    cfg = compose_config([*FAST, "parallelism=pp", "cluster.devices=4", "parallelism.dp_shard=2",
-                          "parallelism.activation_checkpointing=full", "resilience.on_nonfinite=skip"])  # fmt: skip
+    full, skip = "parallelism.activation_checkpointing.mode=full", "resilience.on_nonfinite=skip"
+    cfg = compose_config([*FAST, "parallelism=pp", "cluster.devices=4", "parallelism.dp_shard=2", full, skip])
     valid = validate(cfg)
     dims = valid.dims
-    strategy = build_strategy(valid.cfg.parallelism.strategy, dims, valid.options)
+    strategy = build_strategy(valid.cfg, dims)
     assert isinstance(strategy, MeshStrategy)
-    assert strategy.parallel_dims is dims and strategy.options is valid.options
+    assert strategy.parallel_dims is dims and strategy.parallelism is valid.parallelism
     assert (dims.pp, dims.dp_shard, dims.tp) == (2, 2, 1)
-    assert (valid.options.activation_checkpointing, valid.options.on_nonfinite) == ("full", "skip")
-    assert valid.options.num_microbatches(dims.pp) == 2  # pp x stages_per_rank
+    assert (valid.parallelism.activation_checkpointing.mode, strategy.nonfinite_guard.action) == ("full", "skip")
+    assert valid.parallelism.pipeline.num_microbatches(dims.pp) == 2  # pp x stages_per_rank
 
 
 def test_validate_returns_a_resolved_copy_and_leaves_its_input_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,16 +59,16 @@ def test_validate_returns_a_resolved_copy_and_leaves_its_input_alone(monkeypatch
     assert cfg == before  # nothing resolved in place
     resolved = valid.cfg
     assert resolved.cluster.accelerator in ("cpu", "gpu") and resolved.trainer.enable_progress_bar is False
-    assert (resolved.trainer.accumulate_grad_batches, resolved.parallelism.microbatches) == (1, 2)
+    assert (resolved.trainer.accumulate_grad_batches, resolved.parallelism.pipeline.microbatches) == (1, 2)
     assert validate(resolved).cfg == resolved  # resolving a resolved config changes nothing
 
 
 def test_options_are_frozen_and_name_an_unknown_field() -> None:
-    options = ParallelOptions(schedule="gpipe", split_points=["layers.1"])
+    options = PipelineOptions(schedule="gpipe", split_points=["layers.1"])
     assert (options.schedule, options.split_points) == ("GPipe", ("layers.1",))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.compile = True  # type: ignore[misc]
-    with pytest.raises(ValueError, match=r"^scheduel is not a layout option; the options are "):
+        options.schedule = "1F1B"  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"^scheduel is not a parallelism option; the options are "):
         MeshStrategy(pp=2, scheduel="GPipe")
     with pytest.raises(ValueError, match=r"^on_nonfinite='ignore' is unknown"):
         MeshStrategy(on_nonfinite="ignore")

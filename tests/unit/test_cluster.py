@@ -14,6 +14,7 @@ from helpers import FAST, compose_config
 
 from lightning_dist import environment as where
 from lightning_dist.checkpoint.folder import merge_parts
+from lightning_dist.config.build import build_strategy
 from lightning_dist.config.validate import build_parallel_dims
 from lightning_dist.run import cluster, slurm
 from lightning_dist.run.train import run
@@ -323,7 +324,8 @@ def test_the_collective_timeout_is_a_config_field() -> None:
 
     from lightning_dist.config.validate import validate
 
-    assert validate(compose_config([*FAST, "cluster.collective_timeout_s=90"])).options.timeout == timedelta(seconds=90)
+    valid = validate(compose_config([*FAST, "cluster.collective_timeout_s=90"]))
+    assert build_strategy(valid.cfg, valid.dims)._timeout == timedelta(seconds=90)
     with pytest.raises(ValueError, match=r"^cluster.collective_timeout_s=0.0 must be > 0"):
         validate(compose_config([*FAST, "cluster.collective_timeout_s=0"]))
 

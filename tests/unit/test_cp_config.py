@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import FAST, compose_config
 
-from lightning_dist.config.validate import options_of, validate
+from lightning_dist.config.validate import validate
 from lightning_dist.parallel.context_attention import TorchRingAttention, head_tail_positions
-from lightning_dist.parallel.options import resolve_cp_attention
+from lightning_dist.parallel.options import ContextOptions
 
 HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
 
@@ -24,7 +24,7 @@ HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf"]
 def test_cp_lays_out_the_sequence_axis(model):
     base = HF if model else FAST
     valid = validate(compose_config([*base, *model, "parallelism=fsdp", "parallelism.cp=2"]))
-    assert (valid.dims.cp, valid.dims.dp_shard, valid.options.cp_attention) == (2, 1, "auto")
+    assert (valid.dims.cp, valid.dims.dp_shard, valid.parallelism.context.attention) == (2, 1, "auto")
 
 
 @pytest.mark.parametrize(
@@ -34,14 +34,14 @@ def test_cp_lays_out_the_sequence_axis(model):
         ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "data.seq_len=30"],
          r"^data.seq_len=30 is not divisible by 2 x cp = 4"),
         ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "model.arch=gpt2"], r"^cp=2 with model.arch='gpt2'"),
-        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=ring"],
-         r"^parallelism.cp_attention='ring' is unknown"),
-        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=torch"],
-         r"^parallelism.cp_attention=torch runs torch's ring attention, whose kernels are CUDA's .* the ranks run on "
-         r"cpu; set parallelism.cp_attention=allgather or auto\.$"),
-        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_rotate=alltoall"],
-         r"^parallelism.cp_rotate=alltoall is for torch's ring attention, but parallelism.cp_attention=auto runs the "
-         r"all-gather attention on cpu; set parallelism.cp_rotate=allgather\.$"),
+        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.context.attention=ring"],
+         r"^parallelism.context.attention='ring' is unknown"),
+        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.context.attention=torch"],
+         r"^parallelism.context.attention=torch runs torch's ring attention, whose kernels are CUDA's .* the ranks "
+         r"run on cpu; set parallelism.context.attention=allgather or auto\.$"),
+        ([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.context.rotate=alltoall"],
+         r"^parallelism.context.rotate=alltoall is for torch's ring attention, but parallelism.context.attention=auto "
+         r"runs the all-gather attention on cpu; set parallelism.context.rotate=allgather\.$"),
     ],
 )  # fmt: skip
 def test_a_cp_config_that_cannot_run_is_one_line(overrides, message):
@@ -50,22 +50,23 @@ def test_a_cp_config_that_cannot_run_is_one_line(overrides, message):
 
 
 def test_auto_is_torchs_ring_on_cuda_and_the_all_gather_elsewhere():
-    assert (
-        resolve_cp_attention("auto", "allgather", "cuda") == resolve_cp_attention("auto", "alltoall", "gpu") == "torch"
-    )
-    assert resolve_cp_attention("torch", "alltoall", "cuda") == "torch"
-    assert resolve_cp_attention("auto", "allgather", "cpu") == resolve_cp_attention("allgather", "allgather", "cuda")
-    assert resolve_cp_attention("auto", "allgather", "cpu") == "allgather"
-    with pytest.raises(ValueError, match=r"^cp_attention=torch runs .* the ranks run on cpu; set cp_attention=allgat"):
-        resolve_cp_attention("torch", "allgather", "cpu")
-    with pytest.raises(ValueError, match=r"^cp_rotate='ring' is unknown; use allgather, alltoall\.$"):
-        resolve_cp_attention("torch", "ring", "cuda")
+    def resolve(attention: str, rotate: str, device: str) -> str:
+        return ContextOptions(attention, rotate).resolve(device)
+
+    assert resolve("auto", "allgather", "cuda") == resolve("auto", "alltoall", "gpu") == "torch"
+    assert resolve("torch", "alltoall", "cuda") == "torch"
+    assert resolve("auto", "allgather", "cpu") == resolve("allgather", "allgather", "cuda")
+    assert resolve("auto", "allgather", "cpu") == "allgather"
+    with pytest.raises(ValueError, match=r"^parallelism.context.attention=torch runs .* the ranks run on cpu; set "):
+        resolve("torch", "allgather", "cpu")
+    with pytest.raises(ValueError, match=r"^parallelism.context.rotate='ring' is unknown; use allgather, alltoall\.$"):
+        resolve("torch", "ring", "cuda")
 
 
 def test_cp_rotate_reaches_the_options():
-    cfg = compose_config([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.cp_attention=torch",
-                          "parallelism.cp_rotate=alltoall"])  # fmt: skip
-    assert options_of(cfg).cp_rotate == "alltoall"
+    cfg = compose_config([*FAST, "parallelism=fsdp", "parallelism.cp=2", "parallelism.context.attention=torch",
+                          "parallelism.context.rotate=alltoall"])  # fmt: skip
+    assert cfg.parallelism.context.rotate == "alltoall"  # the composed config is the strategies' options
 
 
 @pytest.mark.parametrize(("seq_len", "cp"), [(8, 2), (24, 3), (64, 4)])

@@ -1,4 +1,4 @@
-"""``parallelism.sync=diloco`` from the config: the preset, the fields reaching ParallelOptions, one-line errors."""
+"""``parallelism.sync=diloco`` from the config: the preset, the fields reaching the options, one-line errors."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ def test_the_preset_and_its_fields_reach_the_options():
     overrides = ["parallelism=diloco", "parallelism.diloco.every=20", "parallelism.diloco.fragments=2",
                  "parallelism.diloco.compression=int8", "parallelism.diloco.delay=3"]  # fmt: skip
     valid = validate(compose_config([*FAST, *overrides]))
-    options = valid.options
-    assert (options.sync, options.diloco_every, options.diloco_fragments) == ("diloco", 20, 2)
-    assert (options.diloco_compression, options.diloco_delay, options.diloco_outer_lr) == ("int8", 3, 0.7)
+    options = valid.parallelism
+    assert (options.sync, options.diloco.every, options.diloco.fragments) == ("diloco", 20, 2)
+    assert (options.diloco.compression, options.diloco.delay, options.diloco.outer_lr) == ("int8", 3, 0.7)
     assert (valid.dims.dp_replicate, valid.dims.dp_shard) == (2, 1)
     assert valid.layout.endswith("(world 2); sync=diloco H=20")  # the start-up line and the report say so
 
@@ -38,11 +38,11 @@ def test_a_diloco_config_that_cannot_run_is_one_line(overrides, message):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["parallelism.ddp_comm_hook=bf16"], r"^parallelism.ddp_comm_hook=bf16 needs CUDA and NCCL .* use "
-                                             r"parallelism.ddp_comm_hook=fp16"),
-        (["parallelism=fsdp", "parallelism.ddp_comm_hook=fp16"], r"^parallelism.ddp_comm_hook=fp16 is for "
-                                                                 r"parallelism=ddp; .* parallelism.reduce_dtype=bf16"),
-        (["parallelism.reduce_dtype=bf16"], r"^parallelism.reduce_dtype=bf16 is for FSDP2 layouts"),
+        (["parallelism.ddp.comm_hook=bf16"], r"^parallelism.ddp.comm_hook=bf16 needs CUDA and NCCL .* use "
+                                             r"parallelism.ddp.comm_hook=fp16"),
+        (["parallelism=fsdp", "parallelism.ddp.comm_hook=fp16"],
+         r"^parallelism.ddp.comm_hook=fp16 is for parallelism=ddp; .* parallelism.fsdp.reduce_dtype=bf16"),
+        (["parallelism.fsdp.reduce_dtype=bf16"], r"^parallelism.fsdp.reduce_dtype=bf16 is for FSDP2 layouts"),
     ],
 )  # fmt: skip
 def test_gradient_compression_that_cannot_run_is_one_line(overrides, message):
@@ -51,6 +51,7 @@ def test_gradient_compression_that_cannot_run_is_one_line(overrides, message):
 
 
 def test_gradient_compression_reaches_the_options():
-    assert validate(compose_config([*FAST, "parallelism.ddp_comm_hook=fp16"])).options.ddp_comm_hook == "fp16"
-    fsdp = validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.reduce_dtype=bf16"]))
-    assert fsdp.options.reduce_dtype == "bf16"
+    ddp = validate(compose_config([*FAST, "parallelism.ddp.comm_hook=fp16"]))
+    assert ddp.parallelism.ddp.comm_hook == "fp16"
+    fsdp = validate(compose_config([*FAST, "parallelism=fsdp", "parallelism.fsdp.reduce_dtype=bf16"]))
+    assert fsdp.parallelism.fsdp.reduce_dtype == "bf16"

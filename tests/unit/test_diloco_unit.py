@@ -22,7 +22,7 @@ from lightning_dist.parallel.diloco import (
     payload_bytes,
     quantize_int8,
 )
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.strategies.outer_sync import replica_key
 
@@ -125,7 +125,7 @@ def test_fragments_are_contiguous_balanced_and_follow_blocks() -> None:
     assert build_fragments(sizes, 1, blocks) == [[name for name, _ in sizes]]  # F=1: the plain DiLoCo fragment
     assert [len(f) for f in build_fragments(sizes, 4, blocks)] == [3, 1, 1, 3]
     assert [len(f) for f in build_fragments(sizes, 8)] == [1] * 8  # no blocks: parameters are the units
-    with pytest.raises(ValueError, match=r"diloco_fragments=5 but the model has 4 blocks"):
+    with pytest.raises(ValueError, match=r"^parallelism.diloco.fragments=5 but the model has 4 blocks"):
         build_fragments(sizes, 5, blocks)
 
 
@@ -141,24 +141,24 @@ def test_streaming_schedule_staggers_fragments() -> None:
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"sync": "sometimes"}, r"sync='sometimes' is unknown"),
-        ({"diloco_compression": "int4"}, r"diloco_compression='int4' is unknown"),
-        ({"diloco_every": 4, "diloco_fragments": 2, "diloco_delay": 2}, r"diloco_delay=2 must be in \[0, .* = 2\)"),
-        ({"diloco_every": 2, "diloco_fragments": 3}, r"diloco_fragments=3 must be in \[1, diloco_every=2\]"),
-        ({"diloco_outer_momentum": 0.0}, r"diloco_nesterov=true needs diloco_outer_momentum > 0"),
-        ({"diloco_alpha": 1.5}, r"diloco_alpha=1.5 must be in \[0, 1\]"),
+        ({"sync": "sometimes"}, r"^parallelism.sync='sometimes' is unknown"),
+        ({"compression": "int4"}, r"^parallelism.diloco.compression='int4' is unknown"),
+        ({"every": 4, "fragments": 2, "delay": 2}, r"^parallelism.diloco.delay=2 must be in \[0, .* = 2\)"),
+        ({"every": 2, "fragments": 3}, r"^parallelism.diloco.fragments=3 must be in \[1, parallelism.diloco.every=2\]"),
+        ({"outer_momentum": 0.0}, r"^parallelism.diloco.nesterov=true needs parallelism.diloco.outer_momentum > 0"),
+        ({"alpha": 1.5}, r"^parallelism.diloco.alpha=1.5 must be in \[0, 1\]"),
     ],
 )
 def test_option_errors_are_one_line(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
-        ParallelOptions(**fields)
+        Parallelism().with_fields(**fields)
     assert "\n" not in str(err.value)
 
 
 def test_diloco_needs_replicas() -> None:
-    options = ParallelOptions(sync="diloco")
+    options = Parallelism(sync="diloco")
     with pytest.raises(ValueError, match=r"sync=diloco averages replicas on dp_replicate .*dp_replicate >= 2") as e:
-        options.check(ParallelDims(world_size=2, dp_shard=2), prefix="parallelism.")
+        options.check(ParallelDims(world_size=2, dp_shard=2))
     assert "\n" not in str(e.value) and "parallelism.dp_replicate" in str(e.value)
     options.check(ParallelDims(world_size=4, dp_replicate=2, dp_shard=2))  # fine
 
@@ -247,7 +247,7 @@ def test_fragments_split_otherwise_or_replicas_changed_mid_cycle_are_one_line() 
     with pytest.raises(ValueError, match=r"dp_replicate=2 between outer steps .*resume with dp_replicate=2") as e:
         replica_key(Path("ckpt"), meta, 4, 1, 1)
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"diloco_fragments=1 and this run has 2; resume with diloco_fragments=1"):
+    with pytest.raises(ValueError, match=r"diloco.fragments=1 and this run has 2; resume with .*diloco.fragments=1"):
         replica_key(Path("ckpt"), meta, 2, 1, 2)
     assert replica_key(Path("ckpt"), meta, 2, 1, 1) == "replica1"  # each replica its own
     assert replica_key(Path("ckpt"), meta, 2, 0, 1) == ""  # replica 0's at the top, as any run's
@@ -257,5 +257,5 @@ def test_fragments_split_otherwise_or_replicas_changed_mid_cycle_are_one_line() 
 def test_lightning_ddp_refuses_diloco() -> None:
     from lightning_dist.strategies import DataParallelStrategy
 
-    with pytest.raises(ValueError, match=r"DataParallelStrategy averages gradients every step, so sync=diloco"):
-        DataParallelStrategy(options=ParallelOptions(sync="diloco"))
+    with pytest.raises(ValueError, match=r"DataParallelStrategy averages gradients every step, so .*sync=diloco"):
+        DataParallelStrategy(parallelism=Parallelism(sync="diloco"))

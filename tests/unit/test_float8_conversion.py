@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.parallel.float8 import FLOAT8_LOSS_RTOL, apply_float8, converted_names
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -45,8 +45,8 @@ def test_float8_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from lightning_dist.config.validate import validate
 
-    with pytest.raises(ValueError, match=r"float8='fp8' is unknown; use off, tensorwise, rowwise"):
-        ParallelOptions(float8="fp8")
+    with pytest.raises(ValueError, match=r"^parallelism.float8='fp8' is unknown; use off, tensorwise, rowwise"):
+        Parallelism(float8="fp8")
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else found(name, *a))
     with pytest.raises(ValueError, match=r"parallelism.float8=rowwise needs torchao; pip install"):

@@ -148,6 +148,7 @@ def streamed(hub: HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", hub.url)
     monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", hub.url + "/datasets/{repo_id}/resolve/{revision}/{path}")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # datasets' downloads
     return hub
 
 
@@ -184,7 +185,7 @@ def test_a_streamed_hub_dataset_is_read_by_range_requests_as_its_local_files_and
     TokenDataModule(from_hub).setup()  # what a rank checks before training: nothing local to find for a hub source
 
     def windows(cfg, take: int, state: dict | None = None) -> tuple[list[list[int]], dict]:
-        dataset = build_streamed_windows(cfg, seed=0, rank=0, world_size=1, kept=1)
+        dataset = build_streamed_windows(cfg, rank=0, world_size=1, kept=1)
         if state is not None:
             dataset.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint holds it
         out = [torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(take), dataset)]
@@ -224,3 +225,151 @@ def test_a_streamed_hub_dataset_offline_reads_the_cache_or_stops_with_one_line(
         monkeypatch.delenv("HF_HUB_OFFLINE")
         resolve_data_path(compose_config([*FAST, "data=hf", "data.streaming=true", "data.path=tiny-org/nope",
                                           "data.tokenizer=/unused"]).data)  # fmt: skip
+
+
+def test_with_streams_each_rank_fetches_only_its_own_shards_of_a_hub_dataset(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """data.num_streams=4 on 4 data-parallel ranks: rank r fetches files r and r + 4 of the 8 (the bytes the stand-in
+    served, counted per file), and of the others only the first chunk of the first file, which datasets reads once to
+    learn the records' columns; with one stream every rank fetches all 8. The ranks' windows are one process's with
+    the same streams."""
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data.streaming import build_streamed_windows
+
+    texts = [f"record {i}: {'some words ' * (i % 5)}of shard {i % 8}." for i in range(96)]
+    folder = tmp_path / "served" / "sharded"
+    (folder / "data").mkdir(parents=True)
+    for shard in range(8):
+        rows = texts[shard * 12 : (shard + 1) * 12]
+        (folder / "data" / f"train-{shard}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    sizes = {
+        f"data/train-{shard}.jsonl": (folder / "data" / f"train-{shard}.jsonl").stat().st_size for shard in range(8)
+    }
+    streamed.add("tiny-org/sharded", folder, kind="dataset")
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", texts, chat_template=None)
+    overrides = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8"]
+    overrides += ["model.vocab_size=300", "data.path=tiny-org/sharded"]
+
+    def read_by_ranks(num_streams: int, world: int, take: int) -> tuple[list[dict[str, int]], list[list[list[int]]]]:
+        cfg = validate(compose_config([*overrides, f"data.num_streams={num_streams}"])).cfg.data
+        read, windows = [], []
+        for rank in range(world):
+            streamed.requests.clear()
+            dataset = build_streamed_windows(cfg, rank=rank, world_size=world, kept=1)
+            windows.append([torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(take), dataset)])
+            read.append(streamed.bytes_read(".jsonl"))
+        return read, windows
+
+    read, windows = read_by_ranks(num_streams=4, world=4, take=40)  # past a pass over each rank's two files
+    head = "data/train-0.jsonl"  # datasets reads the first file's first chunk (<= 10 MB) to learn the columns
+    for rank in range(4):
+        own = {f"data/train-{rank}.jsonl", f"data/train-{rank + 4}.jsonl"}
+        assert set(read[rank]) <= own | {head}, rank  # nothing of another rank's shards
+        assert all(read[rank][name] >= sizes[name] for name in own), rank  # its own, whole
+        if head not in own:
+            assert read[rank][head] == sizes[head], rank  # the head only, once (here the whole small file)
+    _, one = read_by_ranks(num_streams=4, world=1, take=160)
+    assert [w for group in zip(*windows) for w in group] == one[0]  # rank r's windows are r, r + 4, ...
+    read, _ = read_by_ranks(num_streams=1, world=4, take=40)
+    assert all(set(r) == set(sizes) for r in read)  # one stream: every rank reads every file
+
+
+def test_a_three_source_mixture_by_config_and_cap_fetches_only_what_it_reads_and_follows_its_weights(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """lightning-dist-prepare with weights 0.2 / 0.3 / 0.5: a hub dataset's config (its files only downloaded), the
+    same dataset's other config capped at 400 tokens (streamed: its first file fetched, the others never) and a local
+    folder. Each source is written once; data=tokens reads the blend, whose token counts are each source's share
+    within 3/4 of a window (three sources: 1 - 1/(2(3-1))) for every prefix, exactly at every 10 windows."""
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data.files import TokenDataset, blend_starts
+    from lightning_dist.run.prepare import prepare
+
+    folder = tmp_path / "served" / "mix"
+    texts = {"small": [f"small {i}: a few words." for i in range(40)]}
+    texts["big"] = [f"big {i}: {'many words ' * (i % 7)}here." for i in range(300)]
+    for config, rows in texts.items():
+        (folder / config).mkdir(parents=True)
+        for part in range(3):
+            chunk = rows[part::3]
+            (folder / config / f"part-{part}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in chunk))
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/*.jsonl\n" for c in texts)
+        + "---\n"
+    )
+    streamed.add("tiny-org/mix", folder, kind="dataset")
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"local {i}: our own text."}) + "\n" for i in range(60))
+    )
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", [*texts["small"], *texts["big"]], chat_template=None)
+    sources = ["tiny-org/mix?name=small", "tiny-org/mix?name=big&max_tokens=400", str(local)]
+    meta = prepare(sources, tmp_path / "out", str(tokenizer), weights=[0.2, 0.3, 0.5], val_fraction=0, num_proc=1)
+    read = streamed.bytes_read(".jsonl")
+    assert set(read) == {"small/part-0.jsonl", "small/part-1.jsonl", "small/part-2.jsonl", "big/part-0.jsonl"}
+    assert meta["sources"][1]["tokens"] == 400 and meta["blend"]["shares"] == [2, 3, 5]
+    dataset = TokenDataset(str(tmp_path / "out"), "train", 8, "uint16")
+    bounds = np.cumsum([0] + [s["train_tokens"] for s in meta["sources"]])
+    starts = blend_starts(tmp_path / "out", "train", 8, int(bounds[-1]))  # where each window the dataset reads starts
+    train = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    assert all(dataset[n][0].tolist() == train[s : s + 8].tolist() for n, s in enumerate(starts))
+    counts = np.zeros(3)
+    for n in range(len(dataset)):
+        start = int(starts[n])
+        counts[np.searchsorted(bounds, start, side="right") - 1] += 9  # the source whose tokens the window holds
+        share = np.array([0.2, 0.3, 0.5]) * (n + 1) * 9
+        assert np.all(np.abs(counts - share) <= 0.75 * 9), (n, counts, share)
+        if (n + 1) % 10 == 0:
+            np.testing.assert_allclose(counts, share)  # exact at every period
+    assert len(dataset) == meta["blend"]["train_tokens"] // 9 == 233
+
+
+def test_a_hub_dataset_s_config_streams_and_its_files_and_split_prepare_reading_only_them(
+    streamed: HubStandIn, tmp_path: Path
+) -> None:
+    """data.streaming=true with data.path=<id>?name=<config>: pinned before launch, the options kept, and each rank
+    streams that config's files only (the windows of the same files read from disk). lightning-dist-prepare with
+    ?data_files=<one file>&split=<split>: that file's tokens, no other file fetched."""
+    import numpy as np
+    from helpers import make_tiny_tokenizer
+
+    from lightning_dist.data import corpus
+    from lightning_dist.data.streaming import build_streamed_windows
+    from lightning_dist.run.prepare import prepare
+
+    folder = tmp_path / "served" / "configs"
+    texts = {name: [f"{name} {i}: {'words ' * (i % 4)}end." for i in range(30)] for name in ("first", "second")}
+    for name, rows in texts.items():
+        (folder / name).mkdir(parents=True)
+        for part in range(2):
+            lines = "".join(json.dumps({"text": t}) + "\n" for t in rows[part::2])
+            (folder / name / f"part-{part}.jsonl").write_text(lines)
+    configs = "".join(f"- config_name: {n}\n  data_files:\n  - split: held\n    path: {n}/*.jsonl\n" for n in texts)
+    (folder / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    streamed.add("tiny-org/configs", folder, kind="dataset")
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", [*texts["first"], *texts["second"]], chat_template=None)
+    common = [*FAST, "data=hf", "data.streaming=true", f"data.tokenizer={tokenizer}", "data.seq_len=8"]
+    common += ["model.vocab_size=300"]
+    hub = validate(compose_config([*common, 'data.path="tiny-org/configs?name=second&split=held"'])).cfg.data
+    assert hub.path == f"hf://datasets/tiny-org/configs@{'0123456789abcdef' * 2}01234567?name=second&split=held"
+    disk = validate(compose_config([*common, f"data.path={folder / 'second'}"])).cfg.data
+    streamed.requests.clear()
+
+    def windows(cfg) -> list[list[int]]:
+        return [torch.cat([x, y[-1:]]).tolist() for _, (x, y) in zip(range(30), build_streamed_windows(cfg, 0, 1, 1))]
+
+    assert windows(hub) == windows(disk)
+    assert set(streamed.bytes_read(".jsonl")) == {"second/part-0.jsonl", "second/part-1.jsonl"}
+    streamed.requests.clear()
+    source = "tiny-org/configs?data_files=first/part-1.jsonl&split=train"
+    prepare([source], tmp_path / "out", str(tokenizer), val_fraction=0, num_proc=1)
+    tok = corpus.load_tokenizer(str(tokenizer))
+    expected = [t for text in texts["first"][1::2] for t in [*tok(text)["input_ids"], tok.eos_token_id]]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
+    assert set(streamed.bytes_read(".jsonl")) == {"first/part-1.jsonl"}

@@ -118,7 +118,7 @@ def test_bad_lora_values_stop_before_launch_in_one_line(override: str, message: 
 def test_the_planner_counts_gradients_and_optimizer_state_for_the_adapters_only() -> None:
     from dataclasses import replace
 
-    from lightning_dist.parallel.options import ParallelOptions
+    from lightning_dist.parallel.options import Parallelism
     from lightning_dist.parallel_dims import ParallelDims
     from lightning_dist.plan.memory import count_local_params, estimate_memory, lora_block_params
 
@@ -130,8 +130,8 @@ def test_the_planner_counts_gradients_and_optimizer_state_for_the_adapters_only(
     for tp, dp_shard in ((1, 1), (2, 1), (1, 4)):
         dims = ParallelDims(tp=tp, dp_shard=dp_shard, world_size=tp * dp_shard)
         local = count_local_params(cfg, tp, dp_shard)
-        full = estimate_memory(cfg, dims, ParallelOptions(), local_params=local, seq_len=64, micro_batch=2)
-        lora = estimate_memory(tuned, dims, ParallelOptions(), local_params=local, seq_len=64, micro_batch=2)
+        full = estimate_memory(cfg, dims, Parallelism(), local_params=local, seq_len=64, micro_batch=2)
+        lora = estimate_memory(tuned, dims, Parallelism(), local_params=local, seq_len=64, micro_batch=2)
         adapters = 4 * lora_block_params(tuned, tp) // dp_shard
         assert lora.optimizer == 8 * adapters < full.optimizer / 5
         assert lora.grads == 4 * adapters and lora.params == 4 * (local + adapters)

@@ -10,7 +10,7 @@ import torch
 
 from lightning_dist.models.gpt import GPT, GPTConfig
 from lightning_dist.models.loss import chunked_token_loss, token_loss
-from lightning_dist.parallel.options import ParallelOptions
+from lightning_dist.parallel.options import Parallelism
 from lightning_dist.parallel_dims import ParallelDims
 from lightning_dist.plan.measure import PeakBytes, SavedBytes
 from lightning_dist.plan.memory import estimate_memory
@@ -59,7 +59,7 @@ def measured() -> dict[int, dict[str, float]]:
 @pytest.mark.parametrize("chunks", [4, 8])
 def test_the_chunked_loss_peak_is_the_planned_share_of_the_plain_one(chunks: int, measured) -> None:
     def planned(vocab: int, n: int) -> int:
-        options = ParallelOptions(loss_chunks=n)
+        options = Parallelism(loss_chunks=n)
         return estimate_memory(_config(vocab), ParallelDims(1), options, local_params=0, seq_len=SEQ,
                                micro_batch=BATCH).logits  # fmt: skip
 

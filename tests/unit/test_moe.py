@@ -138,7 +138,7 @@ def test_parallelism_ep_composes_with_moe_tiny():
 
 def test_pp_with_ep_knows_whether_torch_infers_stage_shapes_on_real_tensors(monkeypatch):
     """torch 2.13 runs a stage on empty real tensors to infer its shapes (the all-to-all can run); 2.11 on meta tensors,
-    where the strategy refuses pp x ep in one line (strategies/stages.py)."""
+    where the strategy refuses pp x ep in one line (parallel/pipeline_stages.py)."""
     from torch.distributed.pipelining import PipelineStage
 
     from lightning_dist import _compat

@@ -98,20 +98,24 @@ def _check(*overrides: str) -> None:
 
 def test_pp_greater_than_the_number_of_blocks() -> None:
     with pytest.raises(ValueError, match=r"= 4 stages but the model has 2 blocks"):
-        _check("parallelism.schedule=Interleaved1F1B", "parallelism.stages_per_rank=2", "parallelism.microbatches=4")
+        _check(
+            "parallelism.pipeline.schedule=Interleaved1F1B",
+            "parallelism.pipeline.stages_per_rank=2",
+            "parallelism.pipeline.microbatches=4",
+        )
 
 
 def test_microbatches_must_divide_the_per_rank_batch() -> None:
     with pytest.raises(ValueError, match=r"microbatches=3 does not divide the per-rank batch 8"):
-        _check("parallelism.microbatches=3")
+        _check("parallelism.pipeline.microbatches=3")
 
 
 def test_too_few_microbatches() -> None:
     with pytest.raises(ValueError, match=r"1F1B needs microbatches >= pp=2 \(got 1\)"):
-        _check("parallelism.microbatches=1")
+        _check("parallelism.pipeline.microbatches=1")
     with pytest.raises(ValueError, match=r"DualPipeV needs microbatches >= number of stages 4 \(got 2\)"):
-        _check("model.n_layers=4", "parallelism.schedule=DualPipeV", "parallelism.stages_per_rank=2",
-               "parallelism.microbatches=2")  # fmt: skip
+        _check("model.n_layers=4", "parallelism.pipeline.schedule=DualPipeV", "parallelism.pipeline.stages_per_rank=2",
+               "parallelism.pipeline.microbatches=2")  # fmt: skip
 
 
 def test_schedule_and_stages_per_rank_must_agree() -> None:
@@ -123,10 +127,10 @@ def test_schedule_and_stages_per_rank_must_agree() -> None:
 
 def test_unknown_schedule_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"'Zigzag' is unknown; use one of GPipe, 1F1B, Interleaved1F1B"):
-        _check("parallelism.schedule=Zigzag")
+        _check("parallelism.pipeline.schedule=Zigzag")
 
 
 def test_registered_in_lightning() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    assert StrategyRegistry.get("pipeline_parallel").options.schedule == "1F1B"
+    assert StrategyRegistry.get("pipeline_parallel").parallelism.pipeline.schedule == "1F1B"

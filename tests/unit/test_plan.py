@@ -85,7 +85,7 @@ def test_fsdp_tp_and_pipeline_costs_by_hand() -> None:
     zbv = estimate(four, Layout.of(2, 4, pp=2, schedule="ZBVZeroBubble", stages_per_rank=2), HW, seq, batch)
     assert zbv.bubble_fraction == pytest.approx((1 / 3) / (8 + 1 / 3))  # weight gradients fill 2/3 of the idle
     assert zbv.comm["pp"]["bytes"] == 2 * 2 * 4 * fp32 + 4 + 4 + flag  # the V's tip stays on rank 1
-    full = estimate(TINY, Layout.of(4, 1, dp_shard=2, activation_checkpointing="full"), HW, seq, batch)
+    full = estimate(TINY, Layout.of(4, 1, dp_shard=2, activation_checkpointing={"mode": "full"}), HW, seq, batch)
     assert full.compute_s == pytest.approx(fsdp.compute_s * 4 / 3)
     assert full.memory.activations < fsdp.memory.activations
 

@@ -10,6 +10,7 @@ from helpers import compose_config
 
 from lightning_dist.config.schema import HardwareConfig, PlanConfig
 from lightning_dist.parallel.compression import INT8_BLOCK, chunk_numel
+from lightning_dist.parallel.options import DiLoCoOptions
 from lightning_dist.plan.collectives import fragment_elements, outer_collectives, per_axis, step_collectives
 from lightning_dist.plan.cost import estimate, stage_params
 from lightning_dist.plan.cost_curve import cost_curve, gpu_counts
@@ -18,7 +19,11 @@ from lightning_dist.plan.published import H100_GRAND_TETON, LLAMA3_8B
 from lightning_dist.plan.search import rank
 
 SEQ, BATCH = 8192, 64
-HSDP = {"dp_replicate": 4, "dp_shard": 2, "activation_checkpointing": "selective"}  # 8 ranks: replicas across nodes
+HSDP = {
+    "dp_replicate": 4,
+    "dp_shard": 2,
+    "activation_checkpointing": {"mode": "selective"},
+}  # 8 ranks: replicas across nodes
 HW = HardwareConfig(gpus_per_node=2, inter_node_gbps=1.25)
 
 
@@ -32,19 +37,19 @@ def test_diloco_moves_the_sync_bytes_once_per_h_steps_compressed_as_sent() -> No
     shard = stage_params(LLAMA3_8B, 1) // 2  # dp_shard=2 halves every tensor exactly
     assert every_step == 4 * shard
     for h in (1, 10, 50):
-        fp32 = estimate(LLAMA3_8B, _diloco(diloco_every=h), HW, SEQ, BATCH)
+        fp32 = estimate(LLAMA3_8B, _diloco(every=h), HW, SEQ, BATCH)
         assert fp32.comm["dp_replicate"]["bytes"] == every_step / h  # the same elements, once per H steps
         assert fp32.comm["dp_shard"]["bytes"] == sync.comm["dp_shard"]["bytes"]  # the inner step is unchanged
     # bf16 / int8 travel as an all-to-all of chunk payloads then an all-gather of the chunk means (4 replicas: each
     # op's telemetry size is 4 chunk payloads, a chunk a quarter of the shard rounded up to whole int8 blocks)
     chunk = chunk_numel(shard, 4)
-    bf16 = estimate(LLAMA3_8B, _diloco(diloco_every=10, diloco_compression="bf16"), HW, SEQ, BATCH)
+    bf16 = estimate(LLAMA3_8B, _diloco(every=10, compression="bf16"), HW, SEQ, BATCH)
     assert bf16.comm["dp_replicate"]["bytes"] == 2 * 4 * 2 * chunk / 10
-    int8 = estimate(LLAMA3_8B, _diloco(diloco_every=10, diloco_compression="int8"), HW, SEQ, BATCH)
+    int8 = estimate(LLAMA3_8B, _diloco(every=10, compression="int8"), HW, SEQ, BATCH)
     assert int8.comm["dp_replicate"]["bytes"] == 2 * 4 * (chunk + 4 * chunk // INT8_BLOCK) / 10
     # on the wire (nccl-tests bus bytes) per rank: fp32 2(n-1)/n x 4N; compressed 2 (n-1)/n x the payload: the wire
     # time falls by the compression ratio (the padding to whole blocks aside)
-    fp32 = estimate(LLAMA3_8B, _diloco(diloco_every=10), HW, SEQ, BATCH).comm["dp_replicate"]["seconds"]
+    fp32 = estimate(LLAMA3_8B, _diloco(every=10), HW, SEQ, BATCH).comm["dp_replicate"]["seconds"]
     assert bf16.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx(1 / 2, rel=1e-6)
     assert int8.comm["dp_replicate"]["seconds"] / fp32 == pytest.approx((1 + 4 / INT8_BLOCK) / 4, rel=1e-6)
 
@@ -59,15 +64,15 @@ def test_inner_steps_send_nothing_over_the_replicas() -> None:
 
 
 def test_streaming_spreads_the_same_bytes_over_f_fragments_and_tau_hides_them() -> None:
-    plain = estimate(LLAMA3_8B, _diloco(diloco_every=40), HW, SEQ, BATCH)
-    streamed = _diloco(diloco_every=40, diloco_fragments=4)
+    plain = estimate(LLAMA3_8B, _diloco(every=40), HW, SEQ, BATCH)
+    streamed = _diloco(every=40, fragments=4)
     fragments = fragment_elements(LLAMA3_8B, streamed)
     assert len(fragments) == 4 and sum(fragments) == stage_params(LLAMA3_8B, 1) // 2
     assert max(fragments) < 1.1 * sum(fragments) / 4  # the peak exchange is about 1/F of the model
     stream = estimate(LLAMA3_8B, streamed, HW, SEQ, BATCH)
     assert stream.comm["dp_replicate"]["bytes"] == plain.comm["dp_replicate"]["bytes"]  # same average per step
     assert stream.comm["dp_replicate"]["calls"] == 4 / 40
-    delayed = estimate(LLAMA3_8B, _diloco(diloco_every=40, diloco_fragments=4, diloco_delay=5), HW, SEQ, BATCH)
+    delayed = estimate(LLAMA3_8B, _diloco(every=40, fragments=4, delay=5), HW, SEQ, BATCH)
     host = delayed.comm["dp_replicate"]["host_s"]
     assert stream.comm["dp_replicate"]["exposed_s"] > host  # blocking: the exchange and the host work
     assert delayed.comm["dp_replicate"]["exposed_s"] == pytest.approx(host)  # tau = 5 inner steps hide the wire
@@ -86,7 +91,7 @@ class _Plan(PlanConfig):
 def test_the_cost_curve_prices_time_and_gpus() -> None:
     plan = _Plan(gpus=[16, 64], micro_batches=[2])
     rows = cost_curve(LLAMA3_8B, HardwareConfig(inter_node_gbps=1.25), SEQ, 256, plan, 1e11, 2.5,
-                      {"diloco_every": 50})  # fmt: skip
+                      DiLoCoOptions(every=50))  # fmt: skip
     assert [row.gpus for row in rows] == [16, 64]
     for row in rows:
         for point in (row.sync, row.diloco):
@@ -106,7 +111,7 @@ def test_diloco_wins_on_ethernet_and_sync_on_infiniband() -> None:
 
     def best(gbps: float) -> tuple[float, float]:
         found = [e for e in rank(LLAMA3_8B, replace(ethernet, inter_node_gbps=gbps), 64, SEQ, 256,
-                                 PlanConfig(), {"diloco_every": 50}) if e.fits]  # fmt: skip
+                                 PlanConfig(), DiLoCoOptions(every=50)) if e.fits]  # fmt: skip
         sync = next(e for e in found if not e.layout.diloco).tokens_per_sec_per_device
         return sync, next(e for e in found if e.layout.diloco).tokens_per_sec_per_device
 

@@ -188,14 +188,14 @@ def test_qlora_on_the_default_layout_runs_as_the_meshs_replication(capfd: pytest
     assert again.dims == valid.dims and capfd.readouterr().err == ""
     with pytest.raises(
         ValueError,
-        match=r"^model.lora.quantize=nf4 with parallelism.ddp_comm_hook=fp16: .* set parallelism.ddp_comm_hook=null",
+        match=r"^model.lora.quantize=nf4 with parallelism.ddp.comm_hook=fp16: .* set parallelism.ddp.comm_hook=null",
     ):
-        validate(compose_config([*QGPT, "parallelism=ddp", "parallelism.ddp_comm_hook=fp16"]))
+        validate(compose_config([*QGPT, "parallelism=ddp", "parallelism.ddp.comm_hook=fp16"]))
 
 
 def test_the_planner_holds_the_qlora_base_whole_in_4_bits(tmp_path) -> None:
     from lightning_dist.config.build import planned_model
-    from lightning_dist.config.validate import build_parallel_dims, options_of
+    from lightning_dist.config.validate import build_parallel_dims
     from lightning_dist.plan.memory import block_linear_params, count_local_params, estimate_memory
 
     transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -207,7 +207,7 @@ def test_the_planner_holds_the_qlora_base_whole_in_4_bits(tmp_path) -> None:
     for name, extra in {"lora": [], "qlora": ["model.lora.quantize=nf4"]}.items():
         for devices in (1, 8):
             cfg = compose_config([*recipe, *extra, f"cluster.devices={devices}"])
-            dims, options, model = build_parallel_dims(cfg), options_of(cfg), planned_model(cfg.model)
+            dims, options, model = build_parallel_dims(cfg), cfg.parallelism, planned_model(cfg.model)
             base = count_local_params(model, dp_shard=dims.dp_shard)
             estimates[name, devices] = estimate_memory(model, dims, options, local_params=base, seq_len=2048,
                                                        micro_batch=2)  # fmt: skip

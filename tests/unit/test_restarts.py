@@ -26,7 +26,7 @@ def test_which_exception_classes_a_restart_would_repeat() -> None:
     assert restart_would_repeat(BadPath) and restart_would_repeat(json.JSONDecodeError)  # subclasses of ValueError
     for transient in (RuntimeError, ConnectionError, FileNotFoundError, OSError, KeyboardInterrupt, Transient):
         assert not restart_would_repeat(transient), transient
-    from lightning_dist.strategies.guard import NonFiniteError as from_guard
+    from lightning_dist.parallel.guard import NonFiniteError as from_guard
 
     assert from_guard is NonFiniteError and issubclass(NonFiniteError, RuntimeError)  # still caught as before
 

@@ -64,7 +64,7 @@ expected = {"mesh": MeshStrategy, "fsdp2": MeshStrategy, "tensor_parallel": Tens
 for name, cls in expected.items():
     strategy = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
     assert type(strategy) is cls, (name, type(strategy))
-assert Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False).strategy._degrees["dp_shard"] == -1
+assert Trainer(strategy="fsdp2", accelerator="cpu", devices=1, logger=False).strategy.parallelism.dp_shard == -1
 """
         _heavy_after(f"import {first}, {second}\n{check}")
 

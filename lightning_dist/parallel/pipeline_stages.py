@@ -1,6 +1,6 @@
-"""PipelineStages: this rank's pipeline stages and schedule, run inside a normal Lightning training step.
+"""PipelineStages: this rank's pipeline stages and schedule, run inside a normal training step.
 
-:class:`~lightning_dist.strategies.mesh.MeshStrategy` builds one when ``pp > 1``. Each rank builds only its own
+:func:`lightning_dist.parallel.lay_out.lay_out` builds one when ``pp > 1``. Each rank builds only its own
 stages (the model comes from the meta device and only the kept blocks are materialized), parallelizes each stage
 with :func:`lightning_dist.parallel.compose.parallelize` like a whole model, and runs the module's step hooks on a
 view of it whose ``compute_loss`` calls the schedule (:attr:`PipelineStages.routed`; the user's instance is left as
@@ -18,9 +18,9 @@ import functools
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -29,17 +29,17 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dist import _compat
 from lightning_dist._compat import module_children
-from lightning_dist.contract import declared_pipeline_spec
 from lightning_dist.parallel import pipeline, tied
 from lightning_dist.parallel.bubble import BubbleTimer
-from lightning_dist.parallel.compose import parallelize, shared_parameters
-from lightning_dist.parallel.context import ContextParallelSpec
-from lightning_dist.parallel.expert import ExpertParallelSpec
+from lightning_dist.parallel.compose import Parallelized, parallelize
+from lightning_dist.parallel.declared import Declared
 from lightning_dist.parallel.layout import RankLayout
-from lightning_dist.parallel.options import ParallelOptions
-from lightning_dist.parallel.tensor import TensorParallelPlan, expand_plan, restrict_plan
+from lightning_dist.parallel.materialize import materialize as materialize_model
+from lightning_dist.parallel.options import Parallelism
+from lightning_dist.parallel.pipeline import PipelineSpec
+from lightning_dist.parallel.tensor import expand_plan, restrict_plan
+from lightning_dist.parallel.tied import shared_parameters
 from lightning_dist.parallel_dims import ParallelDims
-from lightning_dist.strategies.materialize import materialize as materialize_model
 
 
 class PipelineStages:
@@ -47,7 +47,7 @@ class PipelineStages:
 
     def __init__(
         self,
-        module: pl.LightningModule,
+        module: nn.Module,
         spec: pipeline.PipelineSpec,
         stages: list[PipelineStage],
         schedule: str,
@@ -81,16 +81,14 @@ class PipelineStages:
     @classmethod
     def build(
         cls,
-        module: pl.LightningModule,
+        module: nn.Module,
         dims: ParallelDims,
-        options: ParallelOptions,
+        options: Parallelism,
+        declared: Declared,
         global_rank: int,
         device: torch.device,
         *,
-        tp_plan: TensorParallelPlan | None,
-        param_dtype: torch.dtype | None,
-        cp_spec: ContextParallelSpec | None = None,
-        ep_spec: ExpertParallelSpec | None = None,
+        param_dtype: torch.dtype | None = None,
         materialize: bool = True,
     ) -> PipelineStages:
         """Split ``module``'s model, keep this rank's stages, parallelize and materialize them, build the schedule.
@@ -100,103 +98,50 @@ class PipelineStages:
 
         Stages talk over the ``pp`` axis's group only: with data parallelism beside the pipeline, the world group
         would send activations to a data-parallel peer. Under cp each stage's attention and positions are made
-        context-parallel like a whole model's (``cp_spec``, its names taken relative to the split model).
+        context-parallel like a whole model's (``declared.cp_spec``, its names taken relative to the split model).
         """
-        schedule, stages_per_rank = options.schedule, options.stages_per_rank
-        microbatches, split_points = options.num_microbatches(dims.pp), options.split_points
-        spec = declared_pipeline_spec(module)
-        if options.loss_chunks and spec.head is None:
-            raise ValueError(
-                f"loss_chunks={options.loss_chunks} with pp={dims.pp}: {type(module).__name__}'s last stage applies "
-                "the head itself (its pipeline_spec() names no head for the loss to apply in pieces; the built-in "
-                "GPT's does); set loss_chunks=0."
-            )
+        spec = _checked_spec(module, dims, options, declared)
+        pipe = options.pipeline
         model = spec.model(module)
-        num_stages = dims.pp * stages_per_rank
+        num_stages = dims.pp * pipe.stages_per_rank
         keys, costs = pipeline.block_costs(model, spec)
-        if split_points:
-            groups = pipeline.split_at(keys, spec.blocks_attr, split_points, num_stages)
+        if pipe.split_points:
+            groups = pipeline.split_at(keys, spec.blocks_attr, pipe.split_points, num_stages)
         else:
             groups = pipeline.balanced_split(costs, num_stages)
-        if tp_plan is not None:
-            expand_plan(module, tp_plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
-            prefix = f"{spec.model_attr}."
-            tp_plan = {pattern.removeprefix(prefix): style for pattern, style in tp_plan.items()}
-        if cp_spec is not None:
-            cp_spec = pipeline.stage_cp_spec(module, cp_spec, spec.model_attr)
-        if ep_spec is not None and dims.ep_enabled and not _compat.infers_stage_shapes_on_real_tensors():
-            raise ValueError(
-                f"pp={dims.pp} with ep={dims.ep} needs torch >= 2.13: torch {torch.__version__} infers a stage's "
-                "shapes on meta tensors, which the experts' all-to-all cannot exchange; upgrade torch, or set pp=1 or "
-                "ep=1."
-            )
-        if ep_spec is not None:  # the experts' names relative to the split model, as the stages hold them
-            ep_spec = ep_spec.relative_to(f"{spec.model_attr}.")
-        stage_of = tied.stage_of_name(spec, keys, groups)
-        stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, stages_per_rank, schedule)
-        if stage_ties and dims.tp_enabled:
-            names = " and ".join(stage_ties[0].names)
-            raise ValueError(
-                f"{names} are one (tied) parameter on different pipeline stages, which is not supported with "
-                f"tp={dims.tp} yet (their tensor-parallel shards are not matched across stages); untie them, or "
-                "use pp or tp alone."
-            )
-        tied.create_groups(stage_ties, dims, global_rank)
+        split = _for_split_model(module, spec, declared)  # before pruning: a plan is checked on the whole model
+        stage_ties = _stage_ties(model, spec, keys, groups, dims, options, global_rank)
         pp_rank = dims.coordinates(global_rank)["pp"]
-        stage_ids = pipeline.stage_ids(pp_rank, dims.pp, stages_per_rank, schedule)
+        stage_ids = pipeline.stage_ids(pp_rank, dims.pp, pipe.stages_per_rank, pipe.schedule)
         stage_blocks = [[keys[i] for i in groups[sid]] for sid in stage_ids]
         owns_first, owns_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipeline.prune_model(model, spec, {key for blocks in stage_blocks for key in blocks}, owns_first, owns_last)
-
-        views, tp_styles, fsdp_units, experts = [], {}, [], ""
+        views, done = [], []
         for sid, blocks in zip(stage_ids, stage_blocks):
             view = pipeline.stage_view(model, spec, blocks, sid == 0, sid == num_stages - 1)
-            done = parallelize(
-                view,
-                dims,
-                options,
+            stage_declared = replace(
+                split,
                 # Patterns for blocks / parts held by other stages match nothing here (checked on the whole model).
-                tp_plan=restrict_plan(view, tp_plan) if tp_plan else None,
-                cp_spec=cp_spec,
-                ep_spec=ep_spec,
-                fsdp_units=list(module_children(spec.blocks(view)).values()),
-                fsdp_roots=[view],
-                param_dtype=param_dtype,
-                # A stage runs forward once per microbatch; resharding would all-gather the same parameters again.
-                reshard_after_forward=False,
+                tp_plan=restrict_plan(view, split.tp_plan) if split.tp_plan else None,
+                blocks=tuple(module_children(spec.blocks(view)).values()),
             )
-            prefix = f"{spec.model_attr}."  # names as the LightningModule's, like a whole model's
-            tp_styles.update({prefix + name: style for name, style in done.tp_styles.items()})
-            experts = experts or done.experts
-            fsdp_units += [
-                f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
-                for unit in done.fsdp_units
-            ]
+            done.append(parallelize(view, dims, options, stage_declared, param_dtype=param_dtype, stage=True))
             views.append(view)
         if materialize:
-            materialize_model(module, model, device)
+            materialize_model(model, device, declared)
             for view in views:
                 pipeline.share_buffers(view, model)
-        pp_group = dims.group("pp")
-        stages = [_compat.pipeline_stage(view, i, num_stages, device, pp_group) for view, i in zip(views, stage_ids)]
+        stages = [
+            _compat.pipeline_stage(view, i, num_stages, device, dims.group("pp")) for view, i in zip(views, stage_ids)
+        ]
+        ep_spec = split.ep_spec
         if ep_spec is not None and ep_spec.load is not None:  # torch's shape inference must not count tokens
             for stage in stages:
                 _compat.around_pipeline_metadata_inference(stage, ep_spec.load_kept)
         tied.bind(stage_ties, model)  # after parallelizing: TP / FSDP2 replace the parameters
-        runner = cls(module, spec, stages, schedule, microbatches, dims, device)
+        runner = cls(module, spec, stages, pipe.schedule, pipe.num_microbatches(dims.pp), dims, device)
         runner.ties, runner.norm_exclude = stage_ties, tied.counted_once(stage_ties, pp_rank)
-        runner.layout = RankLayout.of(
-            dims,
-            global_rank,
-            stages=tuple(stage_ids),
-            blocks=tuple(
-                tuple(f"{spec.blocks_attr}.{key}" if spec.blocks_attr else key for key in blocks)
-                for blocks in stage_blocks
-            ),
-            tp_styles=tp_styles,
-            fsdp_units=tuple(fsdp_units),
-            experts=experts,
-        )
+        runner.layout = _stage_layout(dims, global_rank, spec, stage_ids, stage_blocks, done)
         return runner
 
     @property
@@ -205,7 +150,7 @@ class PipelineStages:
         return self._pp_group
 
     @functools.cached_property
-    def routed(self) -> pl.LightningModule:
+    def routed(self) -> nn.Module:
         """The module as its step hooks see it under the pipeline: ``self.compute_loss(batch)`` runs the schedule.
 
         A second handle on the same object state (its ``__dict__`` is shared, so logging, metrics and attributes set
@@ -380,6 +325,92 @@ class PipelineStages:
             if grad is not None:  # an earlier micro step's: add this one's (the tie summed once per micro step)
                 param.grad = grad.add_(param.grad) if param.grad is not None else grad
         self._grads = []
+
+
+def _checked_spec(module: nn.Module, dims: ParallelDims, options: Parallelism, declared: Declared) -> PipelineSpec:
+    """The module's pipeline spec, with what the pipeline cannot do refused in one line."""
+    spec = declared.pipeline_spec
+    if spec is None:
+        raise ValueError(
+            f"{declared.name} has no pipeline_spec(); define it to return a lightning_dist.PipelineSpec (model, "
+            "blocks, first/last parts, loss), or set pp=1."
+        )
+    if options.loss_chunks and spec.head is None:
+        raise ValueError(
+            f"parallelism.loss_chunks={options.loss_chunks} with pp={dims.pp}: {declared.name}'s last stage applies "
+            "the head itself (its pipeline_spec() names no head for the loss to apply in pieces; the built-in GPT's "
+            "does); set parallelism.loss_chunks=0."
+        )
+    if declared.ep_spec is not None and dims.ep_enabled and not _compat.infers_stage_shapes_on_real_tensors():
+        raise ValueError(
+            f"pp={dims.pp} with ep={dims.ep} needs torch >= 2.13: torch {torch.__version__} infers a stage's shapes on "
+            "meta tensors, which the experts' all-to-all cannot exchange; upgrade torch, or set pp=1 or ep=1."
+        )
+    return spec
+
+
+def _for_split_model(module: nn.Module, spec: PipelineSpec, declared: Declared) -> Declared:
+    """``declared`` with its names relative to the split model, as the stages hold them (plans and specs name
+    modules relative to the LightningModule)."""
+    prefix = f"{spec.model_attr}."
+    plan = declared.tp_plan
+    if plan is not None:
+        expand_plan(module, plan)  # a pattern that matches nothing in the whole (unsplit) model is a typo
+        plan = {pattern.removeprefix(prefix): style for pattern, style in plan.items()}
+    cp_spec = pipeline.stage_cp_spec(module, declared.cp_spec, spec.model_attr) if declared.cp_spec else None
+    ep_spec = declared.ep_spec.relative_to(prefix) if declared.ep_spec is not None else None
+    return replace(declared, tp_plan=plan, cp_spec=cp_spec, ep_spec=ep_spec, unsharded=())
+
+
+def _stage_ties(
+    model: nn.Module,
+    spec: PipelineSpec,
+    keys: list[str],
+    groups: list[list[int]],
+    dims: ParallelDims,
+    options: Parallelism,
+    global_rank: int,
+) -> list[tied.StageTie]:
+    """The weights tied across stages (each rank's copy kept one in effect: parallel/tied.py), their groups made."""
+    pipe = options.pipeline
+    stage_of = tied.stage_of_name(spec, keys, groups)
+    stage_ties = tied.find_stage_ties(shared_parameters(model), stage_of, dims, pipe.stages_per_rank, pipe.schedule)
+    if stage_ties and dims.tp_enabled:
+        names = " and ".join(stage_ties[0].names)
+        raise ValueError(
+            f"{names} are one (tied) parameter on different pipeline stages, which is not supported with tp={dims.tp} "
+            "yet (their tensor-parallel shards are not matched across stages); untie them, or use pp or tp alone."
+        )
+    tied.create_groups(stage_ties, dims, global_rank)
+    return stage_ties
+
+
+def _stage_layout(
+    dims: ParallelDims,
+    global_rank: int,
+    spec: PipelineSpec,
+    stage_ids: list[int],
+    stage_blocks: list[list[str]],
+    done: list[Parallelized],
+) -> RankLayout:
+    """What this rank holds: its stages and their blocks, with names as the LightningModule's (like a whole model's)."""
+    prefix = f"{spec.model_attr}."
+    fsdp_units = [
+        f"stage {sid}: {prefix}{unit}" if unit != "(root)" else f"stage {sid}: {spec.model_attr}"
+        for sid, stage in zip(stage_ids, done)
+        for unit in stage.fsdp_units
+    ]
+    return RankLayout.of(
+        dims,
+        global_rank,
+        stages=tuple(stage_ids),
+        blocks=tuple(
+            tuple(f"{spec.blocks_attr}.{key}" if spec.blocks_attr else key for key in blocks) for blocks in stage_blocks
+        ),
+        tp_styles={prefix + name: style for stage in done for name, style in stage.tp_styles.items()},
+        fsdp_units=tuple(fsdp_units),
+        experts=next((stage.experts for stage in done if stage.experts), ""),
+    )
 
 
 class PipelinedModel:

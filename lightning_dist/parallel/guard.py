@@ -20,16 +20,15 @@ the host read: one device-to-host sync per optimizer step, the error or warning 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dist import _compat
-from lightning_dist.errors import NonFiniteError  # defined with the other errors; importable from here as before
+from lightning_dist.errors import NONFINITE_ACTIONS, NonFiniteError
 
 _ADVICE = "Lower optim.lr or raise the warmup, or set resilience.on_nonfinite=skip to drop such steps."
 
@@ -42,20 +41,19 @@ def nonfinite_message(step: int, norm: float, loss_text: str, note: str = "") ->
     )
 
 
-def allow_step(norm: Tensor, loss: Any, action: str, module: pl.LightningModule) -> bool:
-    """Whether the optimizer may apply this step's gradients, decided on the host (one read of ``norm``).
+def allow_step(norm: Tensor, loss: Any, action: str, step: int, warn: Callable[[str], None]) -> bool:
+    """Whether the optimizer may apply step ``step``'s gradients, decided on the host (one read of ``norm``).
 
     Raises:
         NonFiniteError: The norm is not finite and ``action`` is ``stop``.
     """
     if bool(torch.isfinite(norm)):
         return True
-    step = module.trainer.global_step + 1
     if hasattr(loss, "full_tensor"):
         loss = loss.full_tensor()
     loss_text = f"{float(loss):.6g}" if isinstance(loss, Tensor) else "-"
     if action == "skip":
-        rank_zero_warn(f"step {step}: gradient norm {float(norm)} (loss {loss_text}); the update was skipped.")
+        warn(f"step {step}: gradient norm {float(norm)} (loss {loss_text}); the update was skipped.")
         return False
     raise NonFiniteError(nonfinite_message(step, float(norm), loss_text))
 
@@ -64,33 +62,53 @@ class NonFiniteGuard:
     """One strategy's guard: decides each optimizer step (on the device where the optimizer can) and reports.
 
     Args:
-        action: ``stop`` or ``skip`` (``ParallelOptions.on_nonfinite``).
+        action: ``stop`` or ``skip`` (``resilience.on_nonfinite``).
+        warn: Where a skip is said (the strategy's: rank 0 only); ``warnings.warn`` by default.
+
+    Raises:
+        ValueError: An unknown ``action`` (one line).
     """
 
-    def __init__(self, action: str) -> None:
+    def __init__(self, action: str = "stop", warn: Callable[[str], None] | None = None) -> None:
+        if action not in NONFINITE_ACTIONS:
+            raise ValueError(f"on_nonfinite={action!r} is unknown; use stop (end the run) or skip (drop such steps).")
         self.action = action
+        self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
         self.skipped = 0  #: updates the device skipped that were reported so far (``skip``)
         self._count: Tensor | None = None  # non-finite steps since the last report (device, int64)
         self._first_step: Tensor | None = None  # the first of them (device, int64)
         self._first_values: Tensor | None = None  # its [norm, loss, whether the loss is known] (device, float32)
 
     def optimizer_step(
-        self, optimizer: Any, norm: Tensor, loss: Any, module: pl.LightningModule, apply: Callable[[], Any]
+        self,
+        optimizer: Any,
+        norm: Tensor,
+        loss: Any,
+        apply: Callable[[], Any],
+        *,
+        step: int,
+        report: bool,
+        on_device: bool,
     ) -> Any:
-        """Run ``apply`` (Lightning's optimizer step) unless ``norm`` is not finite; returns its result or ``loss``.
+        """Run ``apply`` (the optimizer step) unless ``norm`` is not finite; returns its result or ``loss``.
 
-        With an optimizer that honours ``found_inf`` (and no ``GradScaler``, which sets its own) nothing is read on
-        the host, except on logging steps (:meth:`report`). Otherwise the norm is read here, every step.
+        Args:
+            optimizer: The optimizer (a Lightning wrapper's ``optimizer`` is taken).
+            norm: The step's gradient norm over every axis (the same on every rank).
+            loss: The step's loss, for the message.
+            apply: The optimizer step.
+            step: The optimizer step's number (1-based), for the message.
+            report: A logging step: read the device's record now (:meth:`report`).
+            on_device: The decision can be taken on the device (:meth:`decides_on_device`): nothing is read on the
+                host, except when ``report``. Otherwise the norm is read here, every step.
 
         Raises:
             NonFiniteError: ``stop``, and a non-finite step was found (here, or on the device since the last report).
         """
-        trainer = module.trainer
-        step = trainer.global_step + 1
         if getattr(optimizer, "optimizer", None) is not None:  # a LightningOptimizer
             optimizer = optimizer.optimizer
-        if not self.decides_on_device(optimizer, trainer):
-            if not allow_step(norm, loss, self.action, module):
+        if not on_device:
+            if not allow_step(norm, loss, self.action, step, self.warn):
                 optimizer.zero_grad(set_to_none=True)
                 return loss
             return apply()
@@ -99,14 +117,16 @@ class NonFiniteGuard:
             result = apply()
         finally:
             del optimizer.found_inf
-        if trainer.log_every_n_steps > 0 and step % trainer.log_every_n_steps == 0:
+        if report:
             self.report(step)
         return result
 
     @staticmethod
-    def decides_on_device(optimizer: Any, trainer: pl.Trainer) -> bool:
-        """Whether the step of ``optimizer`` can be skipped on the device (its kernel honours ``found_inf``)."""
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: GradScaler sets found_inf itself
+    def decides_on_device(optimizer: Any, scaler: Any = None) -> bool:
+        """Whether the step of ``optimizer`` can be skipped on the device (its kernel honours ``found_inf``, and no
+        fp16 ``GradScaler`` sets it itself)."""
+        if getattr(optimizer, "optimizer", None) is not None:
+            optimizer = optimizer.optimizer
         return scaler is None and _compat.step_supports_found_inf(optimizer)
 
     def _record(self, norm: Tensor, loss: Any, step: int) -> Tensor:
@@ -151,32 +171,11 @@ class NonFiniteGuard:
             raise NonFiniteError(nonfinite_message(first_step, norm, loss_text, note))
         self._count.zero_()
         self.skipped += count
-        rank_zero_warn(
+        self.warn(
             f"{count} update(s) skipped on the device since the last report{at}: the first at step {first_step}, "
             f"gradient norm {norm} (loss {loss_text})."
         )
         return count
-
-
-class GuardedStrategyMixin:
-    """For a strategy with ``options.on_nonfinite``: its :class:`NonFiniteGuard` and the report at the end of fit.
-
-    The strategy's ``optimizer_step`` hands its norm to ``self.nonfinite_guard.optimizer_step``.
-    """
-
-    options: Any
-    _nonfinite_guard: NonFiniteGuard | None = None
-
-    @property
-    def nonfinite_guard(self) -> NonFiniteGuard:
-        """This strategy's guard (one per strategy, created at first use)."""
-        if self._nonfinite_guard is None:
-            self._nonfinite_guard = NonFiniteGuard(self.options.on_nonfinite)
-        return self._nonfinite_guard
-
-    def on_train_end(self) -> None:
-        self.nonfinite_guard.report()
-        super().on_train_end()  # type: ignore[misc]
 
 
 def guard_of(strategy: Any) -> NonFiniteGuard | None:

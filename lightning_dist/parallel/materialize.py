@@ -10,36 +10,34 @@ Peak memory per rank is its shards plus one whole parameter at a time.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.distributed.tensor.experimental import implicit_replication
 
-from lightning_dist.contract import module_hook
+from lightning_dist.parallel.declared import Declared
 
 
-def materialize(module: pl.LightningModule, model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, declared: Declared) -> None:
     """Allocate ``model``'s meta parameters on ``device`` and initialize them as one process would.
 
-    Only the module's own ``reset_parameters`` can do that: re-running each layer's initializer on a part of the
-    model would draw other random numbers than one process did.
+    Only the module's own ``reset_parameters`` (``declared.reset_parameters``) can do that: re-running each layer's
+    initializer on a part of the model would draw other random numbers than one process did.
 
     Raises:
         ValueError: The model is on the meta device and its module has no ``reset_parameters()``.
     """
     if not any(p.is_meta for p in model.parameters()):
         return  # built for real (in __init__ or configure_model): every part keeps its values
-    reset = module_hook(module, "reset_parameters")
-    if reset is None:
+    if declared.reset_parameters is None:
         raise ValueError(
-            f"{type(module).__name__}'s model is on the meta device and the module has no reset_parameters(), so its "
-            "parts cannot be initialized as one process would; build the model for real (in __init__ or "
-            "configure_model without empty_init), or define reset_parameters() giving every parameter its "
-            "one-process value (e.g. seeded by parameter name)."
+            f"{declared.name}'s model is on the meta device and the module has no reset_parameters(), so its parts "
+            "cannot be initialized as one process would; build the model for real (in __init__ or configure_model "
+            "without empty_init), or define reset_parameters() giving every parameter its one-process value (e.g. "
+            "seeded by parameter name)."
         )
     _to_empty_where_meta(model, device)
     with torch.no_grad(), implicit_replication():
-        reset()
+        declared.reset_parameters()
 
 
 def _to_empty_where_meta(module: nn.Module, device: torch.device) -> None:
