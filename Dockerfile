@@ -7,8 +7,9 @@
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
-# app: Hydra, W&B, the console scripts; hf: transformers, datasets, peft, huggingface_hub; eval: lm-eval;
-# float8: torchao; slurm: submitit; loggers: TensorBoard, MLflow.
+# The extras (docs/get-started/install.md): app: Hydra, W&B, the console scripts; hf: transformers, datasets, peft,
+# huggingface_hub, tokenizers; eval: lm-eval; float8 and qlora: torchao; ft: torchft; slurm: submitit; loggers:
+# TensorBoard, MLflow.
 ARG EXTRAS=app,hf,eval,float8,qlora,ft,slurm,loggers
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

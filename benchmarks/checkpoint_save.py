@@ -12,7 +12,7 @@ Run by hand: ``.venv/bin/python benchmarks/checkpoint_save.py [--dir /tmp/ckpt-b
   is killed (SIGKILL) after the first checkpoint; time from the kill to the next checkpoint the restarted job
   publishes (one step after the restart: detection, new processes, imports, loading, one step, one save).
 
-Results: docs/benchmarks.md, "Checkpoint save and restart", and the issue note.
+Results: docs/benchmarks.md, "Checkpoint save and restart".
 """
 
 from __future__ import annotations

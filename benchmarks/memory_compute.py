@@ -11,7 +11,7 @@ the memory (a fixed 64 KiB mmap threshold, so peak RSS counts live tensors, not 
 time). Reported as ratios to the plain eager one-process step: time (the slowest rank) and
 memory (the largest rank).
 
-Results: docs/benchmarks.md, "Activation checkpointing x compile x layout", and the issue note.
+Results: docs/benchmarks.md, "Activation checkpointing x compile x layout".
 """
 
 from __future__ import annotations

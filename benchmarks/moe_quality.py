@@ -16,7 +16,7 @@ cosine decay) on the same data in the same order, one after the other:
 Corpora: ``synthetic`` (the seeded Markov chain with a known entropy floor: the dense model gets within ~0.01 nats of
 it, little room) and ``text`` (this repository's Markdown as bytes, ``data=text``: room for capacity). ``val/loss``
 on the whole validation set every 100 steps. Results (``--out``, default ``outputs/benchmarks/moe_quality``):
-``results.json`` and ``results.md``; the table is in docs/how-to/moe.md and the issue note.
+``results.json`` and ``results.md``; the table is in docs/how-to/moe.md.
 
 Results (2026-11-27, 2-core CPU VM shared with other jobs, torch 2.13.0+cpu, one seed), final val/loss at 600 steps
 (2.46M tokens): synthetic: dense 1.0825, MoE 1.0814 (-0.0011, within the corpus' 0.002 seed spread), dense of the

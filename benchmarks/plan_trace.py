@@ -5,7 +5,7 @@ Run by hand: ``.venv/bin/python benchmarks/plan_trace.py [--memory]`` (about 90 
 the step with torch's MemTracker, much slower). It prints the traced and analytic parameters, gradient and AdamW
 bytes and the collectives per axis of one optimizer step (the training loop's scalars left out of both).
 
-Results: docs/planner.md (`plan.trace=true`) and the issue note.
+Results: docs/planner.md (`plan.trace=true`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ own names, or tasks of your own from YAML files in ``include_path`` (a local ``d
 ``dataset_kwargs.data_files`` needs no network).
 
 :class:`EvalCallback` does it during training: after each checkpoint a ``RunCheckpoints(save_hf=True)`` published at a
-step that is a multiple of ``every_n_steps``, rank 0 evaluates that checkpoint's ``hf/`` folder (the other ranks wait
-at a barrier) and logs the metrics at that step to the trainer's loggers. A checkpoint is published at the step
-boundary after its save (once that step's metrics are logged), so it is evaluated there: at the next batch's start, or
-at the end of training.
+step that is a multiple of ``every_n_steps``, rank 0 evaluates that checkpoint's ``hf/`` folder and logs the metrics at
+that step to the trainer's loggers. A checkpoint is published at the step boundary after its save (once that step's
+metrics are logged), so it is evaluated there: at the next batch's start, or at the end of training. Every rank
+decides from the same data (the trainer's step and the last step evaluated, which each rank notes), and rank 0's
+outcome (the metrics, or its one-line error) is broadcast to all: they enter the same collectives, and fail together
+with the same error.
 
 Needs lm-eval (``lightning-dist[eval]``).
 """
@@ -28,6 +30,7 @@ import torch
 from lightning_dist.callbacks import beat_file
 from lightning_dist.checkpoint.hf_model import HFModel, load_hf_model, resolve_hf_model
 from lightning_dist.checkpoint.hf_save import HF_FOLDER
+from lightning_dist.errors import first_line
 
 
 def evaluate(
@@ -56,7 +59,8 @@ def evaluate(
         results: Filled with lm-eval's whole result (samples left out), for a caller that writes it.
 
     Raises:
-        ValueError: A task lm-eval does not know (one line naming it and the include path).
+        ValueError: A task lm-eval does not know (one line naming it and the include path), or a task whose data
+            cannot be loaded (no network: one line).
     """
     import lm_eval  # optional dependency: lightning-dist[eval]
     from lm_eval.tasks import TaskManager
@@ -73,15 +77,22 @@ def evaluate(
     # past its tokenizer's (Qwen, Llama-style rounding) changes every log-likelihood.
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer = load_hf_model(model, device, dtype)
-    out = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size),
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-    )
+    try:
+        out = lm_eval.simple_evaluate(
+            model=HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size),
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+        )
+    except OSError as err:  # datasets' ConnectionError / DatasetNotFoundError, huggingface_hub's HTTP errors
+        raise ValueError(
+            f"the data of {' '.join(tasks)} could not be loaded ({first_line(err)}); without network, evaluate on "
+            "tasks whose data is local (a task YAML with dataset_path: json in --include-path / eval.include_path) "
+            "or on a datasets cache filled beforehand."
+        ) from err
     if results is not None:
         results.update({k: v for k, v in out.items() if k != "samples"})
     return metrics_of(out["results"])
@@ -131,35 +142,50 @@ class EvalCallback(pl.Callback):
             "num_fewshot": num_fewshot,
             "batch_size": batch_size,
         }
-        self.history: list[dict[str, float]] = []  #: each evaluation's metrics with its ``step``
+        self.history: list[dict[str, float]] = []  #: each evaluation's metrics with its ``step`` (every rank's)
+        self._last_step = -1  # the step evaluated last, noted by every rank
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_step = trainer.global_step  # a resumed run's checkpoint was evaluated by the run that saved it
+        self._last_step = trainer.global_step  # a resumed run's checkpoint was evaluated by the run that saved it
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        step = trainer.global_step  # the step just done: its checkpoint is published at this boundary
-        if step == getattr(self, "_start_step", 0) or step % self.every_n_steps:
-            return
-        if not (self.history and self.history[-1]["step"] == step):
-            self._evaluate(trainer, step)
+        if self._due(trainer.global_step):  # the step just done: its checkpoint is published at this boundary
+            self._evaluate(trainer, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step  # the final checkpoint (saved at the end of training): evaluated if due
-        if step % self.every_n_steps == 0 and not (self.history and self.history[-1]["step"] == step):
-            self._evaluate(trainer, step)
+        if self._due(trainer.global_step):  # the final checkpoint (saved at the end of training), if not evaluated yet
+            self._evaluate(trainer, trainer.global_step)
+
+    def _due(self, step: int) -> bool:
+        """Whether ``step`` is evaluated: the same answer on every rank (the step and the last one evaluated are every
+        rank's own, never rank 0's alone), so the ranks meet in the same collectives."""
+        return step > 0 and step % self.every_n_steps == 0 and step != self._last_step
 
     def _evaluate(self, trainer: pl.Trainer, step: int) -> None:
-        folder = self.checkpoints / f"step-{step:08d}" / HF_FOLDER
+        self._last_step = step
+        outcome: dict[str, float] | str | None = None
+        failed: Exception | None = None
         with beat_file.busy(step):  # minutes, maybe: the launcher must not take it for a hang
             if trainer.is_global_zero:
-                if not folder.is_dir():
-                    raise ValueError(
-                        f"EvalCallback: no HuggingFace save at {folder}; set checkpoint.save_hf=true and save every "
-                        f"{self.every_n_steps} steps (checkpoint.every_n_steps)."
-                    )
-                device = str(trainer.strategy.root_device) if trainer.strategy.root_device.type == "cuda" else "cpu"
-                metrics = evaluate(resolve_hf_model(folder), self.tasks, device=device, **self.options)
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=step)
-                self.history.append({"step": step, **metrics})
-            trainer.strategy.barrier()
+                try:
+                    outcome = self._metrics(trainer, step)
+                except Exception as err:  # said to every rank: the others must not wait for rank 0 forever
+                    failed, outcome = err, f"EvalCallback at step {step}: {first_line(err)}"
+            outcome = trainer.strategy.broadcast(outcome, src=0)
+        if isinstance(outcome, str):  # every rank the same line; rank 0's with its own exception's traceback
+            raise ValueError(outcome) from failed
+        self.history.append({"step": step, **outcome})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(outcome, step=step)
+
+    def _metrics(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
+        """Rank 0: the metrics of the checkpoint of ``step``."""
+        folder = self.checkpoints / f"step-{step:08d}" / HF_FOLDER
+        if not folder.is_dir():
+            raise ValueError(
+                f"no HuggingFace save at {folder}; set checkpoint.save_hf=true and save every {self.every_n_steps} "
+                "steps (checkpoint.every_n_steps)."
+            )
+        device = str(trainer.strategy.root_device) if trainer.strategy.root_device.type == "cuda" else "cpu"
+        return evaluate(resolve_hf_model(folder), self.tasks, device=device, **self.options)

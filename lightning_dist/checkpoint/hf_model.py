@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ class HFModel:
     adapter: Path | None = None
     temporary: Path | None = None
     """A folder exported for this load; the caller removes it (:meth:`cleanup`)."""
+    checkpoint: Path | None = None
+    """The checkpoint it comes from (a run's or checkpoint's model); ``None`` for a HuggingFace / adapter folder."""
 
     def cleanup(self) -> None:
         if self.temporary is not None:
@@ -66,7 +68,7 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
         raise ValueError(f"{path} does not exist; give a run folder, a checkpoint, or a HuggingFace / adapter folder.")
     newest = _newest_checkpoint(path)
     if newest is not None and (newest / HF_FOLDER).is_dir():  # its hf/ checked (what is read), not its shards
-        return resolve_hf_model(newest / HF_FOLDER, base)
+        return replace(resolve_hf_model(newest / HF_FOLDER, base), checkpoint=newest)
     ckpt = Checkpoint(path)  # a run folder's newest checkpoint, verified
     tmp = Path(tempfile.mkdtemp(prefix="lightning-dist-hf-"))
     out = tmp / "model"
@@ -75,12 +77,12 @@ def resolve_hf_model(path: Path, base: Path | None = None) -> HFModel:
         export_adapter(ckpt, lora, out)
     else:
         export_hf(ckpt, out)
-        return HFModel(out, temporary=tmp)
+        return HFModel(out, temporary=tmp, checkpoint=ckpt.path)
     source = ckpt.hyper_parameters.get("hf_source")
     if source:
         copy_tokenizer_files(Path(source), out)
     try:
-        return HFModel(_adapter_base(out, base), adapter=out, temporary=tmp)
+        return HFModel(_adapter_base(out, base), adapter=out, temporary=tmp, checkpoint=ckpt.path)
     except ValueError:
         HFModel(out, temporary=tmp).cleanup()
         raise

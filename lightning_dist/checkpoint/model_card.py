@@ -60,7 +60,8 @@ def model_card(repo_id: str, hyper_parameters: dict[str, Any], report: dict[str,
             rows += [("final train/loss", f"{report['train_loss']:.4f}")]
         if report.get("val_loss") is not None:
             rows += [("val/loss", f"{report['val_loss']:.4f}")]
-        rows += [("hardware assumed", str(report.get("hardware")))] if report.get("hardware") else []
+        # What it ran on (report.json's "hardware" is the planner's assumption, not the run's devices)
+        rows += [("trained on", str(report["devices"]))] if report.get("devices") else []
     if step is not None:
         rows += [("checkpoint", f"step {step}")]
     lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]

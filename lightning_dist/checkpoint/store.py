@@ -96,6 +96,18 @@ def run_record_of(path: Path) -> dict[str, Any] | None:
     return rest.get(RUN_RECORD) if isinstance(rest, dict) else None
 
 
+def step_of(path: Path) -> int | None:
+    """The optimizer steps taken when the checkpoint ``path`` was saved (Lightning's ``global_step``); ``None`` when
+    it cannot be read."""
+    path = Path(path)
+    try:
+        rest = read_rest(path, False) if path.is_dir() else torch.load(path, "cpu", weights_only=False, mmap=True)
+    except Exception:  # unreadable: damage() said so already
+        return None
+    step = rest.get("global_step") if isinstance(rest, dict) else None
+    return int(step) if isinstance(step, int) else None
+
+
 def sharded_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What of Lightning's ``checkpoint`` DCP writes (taken out of it): ``state_dict`` and each ``optimizer_<i>``."""
     state = {"state_dict": checkpoint.pop("state_dict")}

@@ -1,10 +1,13 @@
 """Fine-tuning's settings, checked before launch: ``model.lora`` (LoRA, QLoRA's layouts, peft / torchao installed),
 ``checkpoint.save_hf`` (a model whose HuggingFace names a sharded write can give) and ``eval.*`` (lm-eval tasks during
-training, on each evaluated checkpoint's HuggingFace save). Torch-free: the launcher runs them."""
+training, on each evaluated checkpoint's HuggingFace save); and the default layout's DDP, which writes no checkpoint
+folder, replaced by the mesh's replication for the runs that need one (:func:`replicate_on_the_mesh`). Torch-free:
+the launcher runs them."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from typing import Any
 
 from lightning_dist.config.shapes import hf_config, planned_model
@@ -28,14 +31,42 @@ def check_finetune(cfg: Any, dims: Any) -> None:
             )
     if cfg.checkpoint.save_hf:
         check_save_hf(cfg.model)
-        if cfg.parallelism.strategy == "ddp":  # Lightning's DDP saves a checkpoint as one file: no folder for hf/
-            raise ValueError(
-                "checkpoint.save_hf=true with parallelism=ddp: Lightning's DDP writes each checkpoint as one file, "
-                "with no folder to hold hf/; use parallelism=fsdp (parallelism.dp_shard=1 replicates as DDP does), or "
-                "lightning-dist-export the checkpoint after the run."
-            )
     if cfg.eval.tasks:
         check_eval(cfg)
+
+
+def replicate_on_the_mesh(cfg: Any) -> str | None:
+    """``parallelism=ddp`` (the default) for a run that needs a sharded checkpoint folder: ``checkpoint.save_hf``
+    (its ``hf/`` lives in the checkpoint's folder) or QLoRA (``model.lora.quantize``: its 4-bit base is saved and
+    read back as such, where Lightning's DDP reads its one-file checkpoints before the base is quantized). Lightning's
+    DDP writes each checkpoint as one file, so such a run replicates on the mesh instead: ``parallelism.strategy=fsdp``
+    with ``dp_shard=1`` and ``dp_replicate`` over the world, FSDP2 replicating every weight, which is DDP's math (one
+    process's, as every layout). ``cfg.parallelism`` is replaced so; returns the line that says so (``None``: nothing
+    to do).
+
+    Raises:
+        ValueError: ``parallelism.ddp.comm_hook`` set (DDP's hooks have no place on the mesh; one line).
+    """
+    par = cfg.parallelism
+    lora = getattr(cfg.model, "lora", None)
+    quantize = lora.quantize if lora is not None and lora.enabled else None
+    needs = ["checkpoint.save_hf=true"] if cfg.checkpoint.save_hf else []
+    needs += [f"model.lora.quantize={quantize}"] if quantize is not None else []
+    if par.strategy != "ddp" or not needs:
+        return None
+    what = " and ".join(needs)
+    if par.ddp.comm_hook is not None:
+        raise ValueError(
+            f"{what} with parallelism.ddp.comm_hook={par.ddp.comm_hook}: the run needs a checkpoint folder, which "
+            "Lightning's DDP does not write, and the mesh's replication has no DDP hooks; set "
+            "parallelism.ddp.comm_hook=null (parallelism.fsdp.reduce_dtype=bf16 halves the gradient bytes there)."
+        )
+    cfg.parallelism = replace(par, strategy="fsdp", dp_shard=1)  # dp_replicate: parallelism=ddp's (the world)
+    return (
+        f"note: {what} needs a checkpoint folder, which Lightning's DDP does not write: parallelism=ddp runs as the "
+        "mesh's replication (parallelism.strategy=fsdp parallelism.dp_shard=1: FSDP2 replicating every weight, "
+        "the same math)"
+    )
 
 
 def check_lora(lora: LoraConfig) -> None:
@@ -63,12 +94,6 @@ def check_qlora(cfg: Any, dims: Any) -> None:
                 f"{NF4_BLOCK * NF4_SCALER_BLOCK} (NF4's blocks of {NF4_BLOCK} in groups of {NF4_SCALER_BLOCK}); use a "
                 "model whose widths are multiples of 128, or model.lora.quantize=null."
             )
-    if cfg.parallelism.strategy == "ddp":
-        raise ValueError(
-            f"{what} with parallelism=ddp: Lightning's DDP saves one-file checkpoints, read back before the base is "
-            "quantized, so its runs could not continue; use parallelism=fsdp (parallelism.dp_shard=1 for plain "
-            "replication: the 4-bit base is whole on every rank either way)."
-        )
     if dims.tp > 1:
         raise ValueError(
             f"{what} under tp={dims.tp}: tensor parallelism shards each base weight, and NF4 is quantized from a "

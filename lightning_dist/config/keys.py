@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,9 @@ def hydra_error_line(err: BaseException) -> str | None:
             return unknown_field_line(key, schema)  # Hydra's hint would be to add the key with +, which runs without
         return f"{key}: {first_line(err.__cause__)}"  # a value of the wrong type
     if isinstance(err, ConfigCompositionException) and str(key).startswith("trainer."):
+        given = re.search(rf"use \+{re.escape(key)}=(.*)", str(err))  # Hydra's hint holds the value given
         try:  # not a Trainer argument (named with the closest), or one the app sets
-            typed_trainer({key.removeprefix("trainer."): None})
+            typed_trainer({key.removeprefix("trainer."): given.group(1) if given else None})
         except ValueError as unknown:
             return str(unknown)
         return f"{key} is a Trainer argument the trainer group does not list: add it with +{key}=..."

@@ -126,7 +126,7 @@ class PlanConfig:
     """``lightning-dist-plan``: which layouts to search and how to show them."""
 
     top: int = 10
-    """Layouts shown (the best by tokens/s per device among those that fit)."""
+    """Layouts shown in each group, synchronous then DiLoCo (the best by tokens/s per device among those that fit)."""
     format: str = "table"
     """table (rich, on the terminal) or json (every layout searched, one object each)."""
     micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -254,8 +254,8 @@ class TargetConfig:
 
 @dataclass
 class HFModelConfig:
-    """A HuggingFace causal LM (nothing is downloaded): built from a config (``model=hf model.config=...``), or
-    pretrained (``model=hf model.pretrained=<folder or hub id>``: its config, and its weights read slice by slice)."""
+    """A HuggingFace causal LM: built from a config (``model=hf model.config=...``: random weights), or pretrained
+    (``model=hf model.pretrained=<folder or hub id>``: its config, and its weights read slice by slice)."""
 
     kind: str = "hf"
     """Always hf."""
@@ -264,7 +264,8 @@ class HFModelConfig:
     None = the pretrained folder's config.json, or tiny_llama without pretrained."""
     pretrained: str | None = None
     """Start from these weights: a local HuggingFace folder (config.json + *.safetensors) or a hub id
-    (meta-llama/Llama-3.1-8B) found in the local HuggingFace cache (HF_HUB_CACHE / HF_HOME; never downloaded). Each
+    (meta-llama/Llama-3.1-8B[@revision]) read from the HuggingFace cache (HF_HUB_CACHE / HF_HOME), downloaded there
+    first by one process per node when it is not (HF_TOKEN for a gated repo; HF_HUB_OFFLINE=1: the cache only). Each
     rank reads only its slices once the layout is applied (as init_from does); ignored when the run continues from
     a checkpoint."""
     attn_implementation: str = "auto"

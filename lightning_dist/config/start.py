@@ -4,15 +4,17 @@ and LR schedule (its run record); the weights it starts from (``init_from``) fit
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import math
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_dist.checkpoint.folder import complete_checkpoints
 from lightning_dist.checkpoint.full import ModelNames, check_fits, checkpoint_shapes
 from lightning_dist.checkpoint.resume import find_start, note
-from lightning_dist.checkpoint.store import check_hf_folder, check_loadable, read_rest, run_record_of
+from lightning_dist.checkpoint.store import check_hf_folder, check_loadable, read_rest, run_record_of, step_of
 from lightning_dist.checkpoint.weights import is_hf_folder, weight_plan
 from lightning_dist.config.build import build_module
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -20,6 +22,7 @@ from lightning_dist.data.config import DataConfig
 from lightning_dist.data.contents import data_contents
 from lightning_dist.models.gpt import GPTConfig
 from lightning_dist.models.gpt_hf import from_hf_names
+from lightning_dist.models.optim import OptimConfig, decay_start, lr_factor
 from lightning_dist.models.qlora import NF4_NAMES
 from lightning_dist.parallel.options import FROM_PEER
 
@@ -97,15 +100,29 @@ def record_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def check_unchanged(cfg: TrainConfig, label: str) -> None:
     """A run continuing the checkpoint ``cfg.ckpt_path`` (``label``: how it was asked for) keeps the seed, data,
-    global batch and LR schedule that checkpoint's run noted; with ``resume_allow_changes`` it goes on, saying so.
+    global batch and optimizer that checkpoint's run noted, and the learning rate of every step it took (the LR
+    schedule may change after the checkpoint's step only: :func:`schedule_change`); with ``resume_allow_changes`` it
+    goes on, saying so.
 
     Raises:
-        ValueError: One line naming each change and the two ways on.
+        ValueError: One line naming each change and the ways on.
     """
-    recorded = run_record_of(Path(cfg.ckpt_path))
+    path = Path(cfg.ckpt_path)
+    recorded = run_record_of(path)
     if recorded is None:  # written before runs noted it, or by a user's own Trainer
         return
-    changes = record_changes(recorded, run_record(cfg))
+    now = run_record(cfg)
+    if "lr_schedule_steps" in recorded:  # noted before optim.schedule existed: the cosine schedule's fields
+        recorded = {**_BEFORE_WSD, **recorded}
+    changes = record_changes({k: v for k, v in recorded.items() if k not in _SCHEDULE_KEYS}, now)
+    step = step_of(path)
+    if step is not None and 0 < cfg.trainer.max_steps <= step:
+        note(
+            f"note: {label}: checkpoint step {step} is this run's end (trainer.max_steps={cfg.trainer.max_steps}): "
+            "nothing is left to train; raise trainer.max_steps to train longer"
+        )
+    schedule = schedule_change(recorded, now, step, path)
+    changes += [schedule] if schedule is not None else []
     if not changes:
         return
     if cfg.resume_allow_changes:
@@ -116,6 +133,77 @@ def check_unchanged(cfg: TrainConfig, label: str) -> None:
         "data stream or LR schedule). Resume with the run's own values, or set resume_allow_changes=true to go on "
         "with these."
     )
+
+
+#: The record's fields that shape the LR schedule (its length, and the factor of each step).
+_SCHEDULE_KEYS = (
+    "lr_schedule_steps",
+    "optim.schedule",
+    "optim.decay_fraction",
+    "optim.warmup_steps",
+    "optim.min_lr_ratio",
+)
+#: What a record noted before ``optim.schedule`` existed means.
+_BEFORE_WSD = {"optim.schedule": "cosine", "optim.decay_fraction": OptimConfig.decay_fraction}
+
+
+def schedule_change(recorded: dict[str, Any], now: dict[str, Any], step: int | None, path: Path) -> str | None:
+    """``None`` when the LR schedule gives every step up to the checkpoint's ``step`` (the one it continues with
+    included: its rate was set when the checkpoint was saved) the rate the run's own schedule gave it, e.g. training
+    longer under ``optim.schedule=wsd`` from a checkpoint before the decay; else the change in words and the way on."""
+    if all(recorded.get(key) == now.get(key) for key in _SCHEDULE_KEYS):
+        return None
+    before, after = _rates(recorded, step), _rates(now, step)
+    if before is not None and before == after:
+        return None
+    changed = [
+        f"{_LABELS.get(key, key)} {recorded.get(key, '-')} -> {now.get(key, '-')}"
+        for key in _SCHEDULE_KEYS
+        if recorded.get(key) != now.get(key)
+    ]
+    return f"{', '.join(changed)} ({_way_on(recorded, now, step, path)})"
+
+
+def _way_on(recorded: dict[str, Any], now: dict[str, Any], step: int | None, path: Path) -> str:
+    """How to train longer than the run's schedule without changing the rate of a step it took (the rule: under wsd,
+    from a checkpoint before the decay; under cosine, whose length sets every step's rate, not at all)."""
+    old, new = recorded.get("lr_schedule_steps"), now.get("lr_schedule_steps")
+    only_length = all(recorded.get(key) == now.get(key) for key in _SCHEDULE_KEYS[1:])
+    if not (only_length and isinstance(old, int) and isinstance(new, int)):
+        return "the rate of steps already taken would change"
+    if now.get("optim.schedule") == "wsd":
+        start = min(decay_start(_optim_of(recorded), old), decay_start(_optim_of(now), new))
+        earlier = [c for c in complete_checkpoints(path.parent) if _step_in_name(c) <= start]
+        where = f"resume={earlier[-1]}" if earlier else "none of the run's is that early"
+        return (
+            f"checkpoint step {step} is past step {start}, where the warmup-stable-decay schedule's decay starts; "
+            f"continue from a checkpoint before it: {where}"
+        )
+    return (
+        f"a cosine schedule's length sets the rate of every step: keep the run's with optim.decay_steps={old}, at "
+        "its floor past it; train with optim.schedule=wsd to continue a run longer"
+    )
+
+
+def _rates(record: dict[str, Any], step: int | None) -> list[float] | None:
+    """The LR factor of steps 0 to ``step`` under the schedule ``record`` notes; ``None``: unknown."""
+    length = record.get("lr_schedule_steps")
+    if step is None or not isinstance(length, int):
+        return None
+    factor = lr_factor(_optim_of(record), length)
+    return [factor(s) for s in range(step + 1)]
+
+
+def _optim_of(record: dict[str, Any]) -> OptimConfig:
+    """The ``OptimConfig`` a run record notes (its ``optim.*`` fields)."""
+    names = {f.name for f in fields(OptimConfig)}
+    return OptimConfig(**{k[len("optim.") :]: v for k, v in record.items() if k[len("optim.") :] in names})
+
+
+def _step_in_name(path: Path) -> float:
+    """The step of a published checkpoint ``step-<N>`` (infinite for another name)."""
+    digits = path.name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else math.inf
 
 
 def _check_init_from(cfg: TrainConfig) -> None:

@@ -123,6 +123,13 @@ MOVED: dict[str, str] = {
     "on_nonfinite": "resilience.on_nonfinite",
 }
 
+#: Lightning 1's ``Trainer`` arguments that Lightning 2 removed -> what the app takes instead ({value}: the one given).
+LIGHTNING_1: dict[str, str] = {
+    "gpus": "cluster=gpu cluster.devices={value} (Lightning 2 counts them with devices=)",
+    "num_processes": "cluster.devices={value}",
+    "resume_from_checkpoint": "resume=<run folder> or ckpt_path={value}",
+}
+
 
 def typed_trainer(node: dict[str, Any]) -> TrainerConfig:
     """The ``trainer`` group as a :class:`TrainerConfig`: its fields typed, the other ``Trainer`` arguments in
@@ -143,12 +150,15 @@ def typed_trainer(node: dict[str, Any]) -> TrainerConfig:
             raise ValueError(f"trainer.{key} is not a Trainer argument and moved: use {MOVED[key]}={value}.")
         if key in OWNED:
             raise ValueError(f"trainer.{key} is set by the app: {OWNED[key]}.")
+        if key in LIGHTNING_1:
+            instead = LIGHTNING_1[key].format(value="..." if value is None else value)
+            raise ValueError(f"trainer.{key} is Lightning 1's; use {instead}.")
         if key not in LIGHTNING_TRAINER_ARGS:
             close = difflib.get_close_matches(key, [*LIGHTNING_TRAINER_ARGS, *MOVED], n=1)
             hint = f"did you mean trainer.{close[0]}? " if close else ""
             raise ValueError(
-                f"trainer.{key} is not an argument of lightning.Trainer; {hint}the arguments are listed in "
-                "lightning_dist/config/trainer_args.py (LIGHTNING_TRAINER_ARGS)."
+                f"trainer.{key} is not an argument of lightning.Trainer; {hint}`lightning-dist-train --help trainer` "
+                "lists the run's, and any other of lightning.Trainer's passes as +trainer.<name>=..."
             )
         extra[key] = value
     try:

@@ -24,7 +24,7 @@ from hydra.utils import get_class
 
 from lightning_dist import environment
 from lightning_dist.config import cluster_rules
-from lightning_dist.config.finetune import check_finetune
+from lightning_dist.config.finetune import check_finetune, replicate_on_the_mesh
 from lightning_dist.config.pretrained import resolve_pretrained
 from lightning_dist.config.run_rules import check_run_fields
 from lightning_dist.config.schema import HFModelConfig, TargetConfig, TrainConfig
@@ -71,8 +71,9 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
 
     Resolved: ``model.pretrained`` (a hub id into its cached folder, which ``init_from`` then names),
     ``cluster.accelerator=auto``, the progress bar (on at a terminal), ``resume`` / ``ckpt_path=last`` /
-    an external restart into ``output_dir`` and ``ckpt_path``, and how each rank's batch is split
-    (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.pipeline.microbatches``).
+    an external restart into ``output_dir`` and ``ckpt_path``, ``parallelism=ddp`` for a run that needs a checkpoint
+    folder (``checkpoint.save_hf``, QLoRA) into the mesh's replication (one line says so), and how each rank's batch is
+    split (``data.micro_batch_size``, ``trainer.accumulate_grad_batches``, ``parallelism.pipeline.microbatches``).
 
     Raises:
         ValueError: One line naming the value and the fix.
@@ -105,6 +106,10 @@ def validate(cfg: TrainConfig, one_rank_here: bool = False) -> ValidRun:
         cluster_rules.check_submission(cluster)  # the login node: its own hardware says nothing about compute nodes
     elif not one_rank_here:
         cluster_rules.check_devices(cluster.accelerator, cluster.devices, cluster.num_nodes)
+    replaced = replicate_on_the_mesh(cfg)  # save_hf / QLoRA need a checkpoint folder, which DDP does not write
+    if replaced is not None and environment.is_global_zero():  # one line per job (under torchrun every rank checks)
+        print(replaced, file=sys.stderr, flush=True)
+    par = cfg.parallelism
     check_strategy_can_do(par, cluster.accelerator)
     dims = build_parallel_dims(cfg)
     per_rank_batch = check_model_and_data(cfg, dims)
@@ -314,6 +319,10 @@ def check_model_and_data(cfg: TrainConfig, dims: ParallelDims) -> int | None:
     datamodule = TokenDataModule(data, seed=cfg.seed)
     datamodule.setup()
     check_data_files(data, datamodule)
+    if not data.streaming:  # a batch to train on, a sample for each rank to validate (else found on the ranks)
+        datamodule.check_split_size("train", dims.dp_size)
+    if _validates(cfg.trainer) and (not data.streaming or data.val_path is not None):
+        datamodule.check_split_size("val", dims.dp_size)
     if data.kind == "tokens":
         for split in ("train", "val"):
             dataset = datamodule.dataset(split)
@@ -355,6 +364,15 @@ def check_data_files(data: DataConfig, datamodule: Any) -> None:
                     f"the data=hf cache {folder} is damaged ({problem}); remove it (rm -r {folder}) and the next run "
                     "tokenizes the data again."
                 )
+
+
+def _validates(trainer: Any) -> bool:
+    """Whether Lightning will read the validation data: a sanity check, or a validation before the run ends."""
+    if trainer.limit_val_batches == 0:
+        return False
+    every = trainer.val_check_interval
+    never = isinstance(every, int) and 0 < trainer.max_steps < every and not trainer.fast_dev_run
+    return trainer.num_sanity_val_steps != 0 or not never
 
 
 def _check_tokenizer(cfg: TrainConfig, vocab: int | None) -> None:

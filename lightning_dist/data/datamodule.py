@@ -147,6 +147,25 @@ class TokenDataModule(pl.LightningDataModule):
             )
         return self._datasets[split]
 
+    def check_split_size(self, split: str, num_replicas: int) -> None:
+        """The train split must hold one global batch, the val split a sample for each of ``num_replicas``
+        data-parallel ranks (checked before launch too: ``config/validate.py``).
+
+        Raises:
+            ValueError: One line naming the split, its size and the fix.
+        """
+        size = len(self.dataset(split))
+        if split == "train" and size < self.cfg.global_batch_size:
+            raise ValueError(
+                f"train split has {size} samples, fewer than data.global_batch_size={self.cfg.global_batch_size}, so "
+                "no optimizer step fits; use more data or a smaller batch"
+            )
+        if split == "val" and size < num_replicas:
+            raise ValueError(
+                f"val split has {size} samples, fewer than the data-parallel size {num_replicas}; use more "
+                "validation data"
+            )
+
     def data_parallel_info(self) -> tuple[int, int]:
         """Returns ``(num_replicas, rank)`` of the data-parallel group; ``(1, 0)`` without a parallel strategy."""
         kwargs = data_parallel_kwargs(self._strategy())
@@ -178,16 +197,7 @@ class TokenDataModule(pl.LightningDataModule):
             return self._streamed_loader(num_replicas, rank, per_rank, batch_size)
         dataset = self.dataset(split)
         train = split == "train"
-        if train and len(dataset) < self.cfg.global_batch_size:
-            raise ValueError(
-                f"train split has {len(dataset)} samples, fewer than data.global_batch_size="
-                f"{self.cfg.global_batch_size}, so no optimizer step fits; use more data or a smaller batch"
-            )
-        if not train and len(dataset) < num_replicas:
-            raise ValueError(
-                f"val split has {len(dataset)} samples, fewer than the data-parallel size {num_replicas}; "
-                "use more validation data"
-            )
+        self.check_split_size(split, num_replicas)
         # drop_last on the sampler keeps every rank at the same number of samples (no padded duplicates).
         sampler: Sampler = DistributedSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=True

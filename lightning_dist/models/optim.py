@@ -1,4 +1,5 @@
-"""The optimizer the built-in modules use: AdamW with linear warmup and cosine decay (``optim.*`` in the config)."""
+"""The optimizer the built-in modules use: AdamW with linear warmup, then cosine decay or warmup-stable-decay
+(``optim.*`` in the config)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,38 @@ def warmup_cosine(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def warmup_stable_decay(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
+    """LR multiplier of transformers' ``get_wsd_schedule`` (cosine decay) after our linear warmup: the peak rate from
+    the warmup to :func:`decay_start`, then a cosine decay to ``min_lr_ratio`` over the last ``decay_fraction`` of
+    ``max_steps``. A longer schedule moves the decay: every step before the earlier start has the same rate."""
+    start = decay_start(cfg, max_steps)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if step < start:
+            return 1.0
+        progress = min(1.0, (step - start) / max(1, max_steps - start))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def decay_start(cfg: OptimConfig, max_steps: int) -> int:
+    """The first step of a warmup-stable-decay schedule's decay: the last ``decay_fraction`` of ``max_steps`` (at least
+    a step), never inside the warmup."""
+    decay = max(1, round(cfg.decay_fraction * max_steps))
+    return max(cfg.warmup_steps, max_steps - decay)
+
+
+def lr_factor(cfg: OptimConfig, max_steps: int) -> Callable[[int], float]:
+    """The LR multiplier of ``optim.schedule`` over a schedule of ``max_steps`` (the warmup, then the peak rate, when
+    the length is unknown: ``max_steps <= 0``)."""
+    if max_steps <= 0:
+        return warmup_only(cfg)
+    return warmup_stable_decay(cfg, max_steps) if cfg.schedule == "wsd" else warmup_cosine(cfg, max_steps)
+
+
 def warmup_only(cfg: OptimConfig) -> Callable[[int], float]:
     """LR multiplier of a run of unknown length (by epochs): linear warmup, then the peak rate."""
     return lambda step: min(1.0, (step + 1) / max(1, cfg.warmup_steps))
@@ -37,8 +70,8 @@ def adamw_with_schedule(
     max_steps: int,
 ) -> dict[str, Any]:
     """Lightning's ``configure_optimizers`` answer: AdamW with weight decay on matrices only (not on norms, biases
-    or what ``is_embedding`` names), stepped per optimizer step by the warmup + cosine schedule over ``max_steps``
-    (warmup then the peak rate when the length is unknown, ``max_steps <= 0``)."""
+    or what ``is_embedding`` names), stepped per optimizer step by ``optim.schedule`` over ``max_steps``
+    (:func:`lr_factor`)."""
     decay, no_decay = [], []
     for name, param in named_parameters:
         if param.requires_grad:
@@ -52,6 +85,5 @@ def adamw_with_schedule(
         eps=cfg.eps,
         fused=True,
     )
-    factor = warmup_cosine(cfg, max_steps) if max_steps > 0 else warmup_only(cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, max_steps))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

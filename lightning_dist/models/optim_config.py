@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``optim.schedule`` values: the LR schedules after the linear warmup.
+LR_SCHEDULES = ("cosine", "wsd")
+
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW with linear warmup, then a cosine decay or a warmup-stable-decay schedule."""
 
     lr: float = 3e-3
     """Peak learning rate."""
@@ -26,9 +29,16 @@ class OptimConfig:
     warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
     min_lr_ratio: float = 0.1
-    """Cosine decay floor as a fraction of lr, reached at decay_steps."""
+    """Decay floor as a fraction of lr, reached at the schedule's end (decay_steps)."""
     decay_steps: int | None = None
-    """Length of the warmup + cosine schedule; None = trainer.max_steps (set it to stop a run early)."""
+    """Length of the schedule (warmup included); None = trainer.max_steps (set it to stop a run early)."""
+    schedule: str = "cosine"
+    """After the warmup: cosine (decay to min_lr_ratio over the rest of the schedule: every step's rate depends on its
+    length, so a run continued longer keeps its length, optim.decay_steps) or wsd (warmup-stable-decay, as
+    transformers' get_wsd_schedule: the peak rate, then a cosine decay over the last decay_fraction of the steps; a
+    run continued longer from a checkpoint before the decay extends the stable phase, its steps unchanged)."""
+    decay_fraction: float = 0.2
+    """wsd: the part of the schedule's steps, at its end, spent decaying to min_lr_ratio x lr."""
 
     def validate(self) -> None:
         """Each field in its range, named as the config field (``optim.lr``), before any process starts.
@@ -45,6 +55,8 @@ class OptimConfig:
             "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
             "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1] (a fraction of optim.lr)"),
             "decay_steps": (self.decay_steps is None or self.decay_steps >= 1, ">= 1, or null (trainer.max_steps)"),
+            "schedule": (self.schedule in LR_SCHEDULES, f"one of {', '.join(LR_SCHEDULES)}"),
+            "decay_fraction": (0 < self.decay_fraction <= 1, "in (0, 1] (a fraction of the schedule's steps)"),
         }
         for name, (ok, needed) in rules.items():
             if not ok:

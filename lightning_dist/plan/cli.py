@@ -9,7 +9,10 @@ A Hydra app over the training configs, so a plan composes exactly as the run wou
                                                     # the cost curve: sync vs DiLoCo for each GPU count
 
 The world is ``cluster.num_nodes`` x the devices of a node (``cluster.devices`` on a GPU cluster config, else
-``hardware.gpus_per_node``); the batch is ``data.global_batch_size`` samples of ``data.seq_len`` tokens.
+``hardware.gpus_per_node``); the batch is ``data.global_batch_size`` samples of ``data.seq_len`` tokens (with the
+synthetic data, a built-in model's ``max_seq_len`` unless ``data.seq_len`` is given; one line says which). The table
+(120 columns) ranks the synchronous layouts, then apart the DiLoCo ones, which change the math. ``--help``: the app's
+own (``lightning_dist/run/help.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -51,9 +56,30 @@ def main() -> None:
 def _hydra_main(raw: DictConfig) -> None:
     try:
         cfg = to_train_config(raw)
+        hydra_cfg = HydraConfig.get()
+        given = {override.lstrip("+~").split("=", 1)[0] for override in hydra_cfg.overrides.task}
+        note = adopt_model_seq_len(cfg, "data.seq_len" in given, hydra_cfg.runtime.choices.get("recipe") is not None)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)  # stderr: plan.format=json keeps stdout JSON
         plan(cfg)
     except ValueError as err:
         sys.exit(f"error: {err}")
+
+
+def adopt_model_seq_len(cfg: TrainConfig, given: bool, recipe: bool) -> str | None:
+    """The synthetic data's ``data.seq_len`` (a test setting: 128) is not what a plan of a model is about: a built-in
+    model's plan takes its ``model.max_seq_len`` unless ``data.seq_len`` is given (or a recipe sets it); a
+    HuggingFace model's keeps it (its context may be far longer than it trains on). Returns the line that says which
+    length is planned (``None``: the one given)."""
+    if given or recipe or getattr(cfg.data, "kind", None) != "synthetic":
+        return None
+    if isinstance(cfg.model, GPTConfig) and cfg.model.max_seq_len != cfg.data.seq_len:
+        cfg.data.seq_len = cfg.model.max_seq_len
+        return f"planning data.seq_len={cfg.data.seq_len}: the model's max_seq_len (set data.seq_len to plan another)"
+    return (
+        f"planning data.seq_len={cfg.data.seq_len}: the synthetic data's default (set data.seq_len to the length you "
+        "will train on)"
+    )
 
 
 def world_of(cfg: TrainConfig) -> int:
@@ -64,7 +90,8 @@ def world_of(cfg: TrainConfig) -> int:
 
 def plan(cfg: TrainConfig) -> list[Estimate]:
     """Estimate and rank every layout of ``cfg``'s job; print the table (or JSON) and, with ``plan.trace``, a traced
-    rank of the best layout.
+    rank of the best layout. The synchronous layouts come first (one process's math), then the DiLoCo ones (their
+    replicas train apart between outer steps: another loss curve), each in the search's order.
 
     Raises:
         ValueError: The model is not the built-in GPT, or the format is unknown.
@@ -103,6 +130,7 @@ def plan(cfg: TrainConfig) -> list[Estimate]:
             f"no layout of {world} ranks divides data.global_batch_size={batch} and the model; change the batch or "
             "the number of nodes."
         )
+    found.sort(key=lambda e: e.layout.diloco)  # apart: DiLoCo changes the math (rank's order kept in each group)
     if cfg.plan.format == "json":
         print(json.dumps([e.to_json() for e in found], indent=1))
         return found
@@ -120,62 +148,84 @@ def context_parallel_ok(cfg: TrainConfig) -> bool:
     return isinstance(model, GPTConfig) and model.arch == "llama" and text
 
 
+#: The terminal width of the plan's output.
+WIDTH = 120
+
+
 def _print_table(cfg: TrainConfig, world: int, found: list[Estimate]) -> None:
+    """The layouts that keep one process's math (synchronous replicas), then apart the DiLoCo ones, whose replicas
+    train apart between outer steps (another loss curve): each group fitting first, best first."""
     hw = cfg.hardware
+    console = Console(width=WIDTH)
     fitting = [e for e in found if e.fits]
-    shown = (found if cfg.plan.show_all else fitting)[: cfg.plan.top]
-    table = Table(
-        title=f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, "
-        f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens per step"
+    console.print(
+        f"{len(fitting)} of {len(found)} layouts fit: {world} x {hw.name}, {cfg.data.global_batch_size} x "
+        f"{cfg.data.seq_len} tokens per step"
     )
-    for column in (
-        "#",
-        "pp",
-        "tp",
-        "cp",
-        "dp rep x shard",
-        "ep",
-        "schedule",
-        "m",
-        "mb",
-        "AC",
-        "sync",
-        "GiB",
-        "tok/s/dev",
-        "MFU",
-        "bubble",
-        "exposed comm ms (axis)",
-        "fits",
-    ):
-        table.add_column(column, justify="right" if column not in ("schedule", "AC", "sync") else "left")
+    groups = (
+        ("synchronous (every step: one process's math)", [e for e in found if not e.layout.diloco]),
+        ("DiLoCo (replicas train apart between outer steps: the math changes)", [e for e in found if e.layout.diloco]),
+    )
+    for title, group in groups:
+        shown = (group if cfg.plan.show_all else [e for e in group if e.fits])[: cfg.plan.top]
+        if group:
+            console.print(_layout_table(title, shown, diloco=group[0].layout.diloco))
+    best = next((e for e in found if e.fits and not e.layout.diloco), None)
+    if best is not None:
+        for line in option_effects(cfg.model, hw, cfg.data.seq_len, cfg.data.global_batch_size, best):
+            console.print(f"best synchronous layout with {line}")
+    _print_device(console, cfg)
+
+
+def _layout_table(title: str, shown: list[Estimate], diloco: bool) -> Table:
+    """One group's rows (at most 120 columns: the degrees in one column, the exposed communication wrapped)."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    columns = ["#", "degrees", "schedule", "m x mb", "AC"]
+    columns += ["DiLoCo"] if diloco else []
+    columns += ["GiB", "tok/s/dev", "MFU", "bubble", "exposed comm ms (axis)", "fits"]
+    for column in columns:  # every column its natural width but the communication's, which takes what is left
+        left = column in ("schedule", "AC", "DiLoCo", "exposed comm ms (axis)")
+        left = left or column == "degrees"
+        table.add_column(column, justify="left" if left else "right", no_wrap=not column.startswith("exposed"))
     for i, e in enumerate(shown, 1):
         lay = e.layout
-        comm = ", ".join(f"{c['exposed_s'] * 1e3:.0f} {axis}" for axis, c in e.comm.items() if axis != "world") or "-"
-        table.add_row(
+        exposed = {axis: round(c["exposed_s"] * 1e3) for axis, c in e.comm.items() if axis != "world"}
+        comm = ", ".join(f"{ms} {axis}" for axis, ms in exposed.items() if ms) or "-"  # the axes that cost a ms
+        row = [
             str(i),
-            str(lay.pp),
-            str(lay.tp),
-            str(lay.cp),
-            f"{lay.dp_replicate} x {lay.dp_shard}",
-            str(lay.ep),
+            _degrees(lay),
             f"{lay.schedule} v{lay.stages_per_rank}" if lay.pp > 1 else "-",
-            str(lay.microbatches),
-            str(lay.micro_batch),
+            f"{lay.microbatches} x {lay.micro_batch}",
             lay.ac if lay.ac != "selective" else lay.ac_selective,
-            lay.describe_sync().replace(" diloco ", "DiLoCo ") or "every step",
+        ]
+        row += [_diloco_cell(lay)] if diloco else []
+        row += [
             f"{e.memory.total / GIB:.1f}",
             f"{e.tokens_per_sec_per_device:,.0f}",
             f"{e.mfu:.1%}",
             f"{e.bubble_fraction:.2f}",
             comm,
             "yes" if e.fits else "no",
-        )
-    console = Console(width=180)
-    console.print(table)
-    if shown:
-        for line in option_effects(cfg.model, hw, cfg.data.seq_len, cfg.data.global_batch_size, shown[0]):
-            console.print(f"#1 with {line}")
-    _print_device(console, cfg)
+        ]
+        table.add_row(*row)
+    return table
+
+
+def _degrees(lay: Layout) -> str:
+    """The degrees above 1, and the data-parallel ranks as replicas x shards: ``pp2 tp2 dp 2x4``."""
+    model = " ".join(
+        f"{axis}{degree}"
+        for axis, degree in (("pp", lay.pp), ("tp", lay.tp), ("cp", lay.cp), ("ep", lay.ep))
+        if degree > 1
+    )
+    return f"{model} dp {lay.dp_replicate}x{lay.dp_shard}".strip()
+
+
+def _diloco_cell(lay: Layout) -> str:
+    """``H=50 int8`` (with ``F=`` and ``tau=`` when streaming)."""
+    o = lay.options.diloco
+    streaming = (f" F={o.fragments}" if o.fragments > 1 else "") + (f" tau={o.delay}" if o.delay else "")
+    return f"H={o.every} {o.compression}{streaming}"
 
 
 def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: float | None) -> None:
@@ -210,7 +260,7 @@ def _print_cost_curve(cfg: TrainConfig, rows: list[Row], tokens: float, price: f
         both = row.sync and row.diloco
         cells.append(f"{row.diloco.tokens_per_sec / row.sync.tokens_per_sec:.2f}x" if both else "-")
         table.add_row(*cells)
-    console = Console(width=180)
+    console = Console(width=WIDTH)
     console.print(table)
     console.print(
         "time = tokens / (tokens/s per GPU x GPUs); cost = time in hours x price per GPU-hour x GPUs; "

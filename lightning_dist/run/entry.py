@@ -40,6 +40,10 @@ def train() -> None:
 def plan() -> None:
     """``lightning-dist-plan``."""
     require_app("lightning-dist-plan")
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:  # the app's own, not Hydra's (its *_schema groups)
+        from lightning_dist.run.help import answer_help  # deferred: as above
+
+        answer_help(sys.argv[1:], "lightning-dist-plan")
     from lightning_dist.plan.cli import main  # deferred: as above
 
     main()

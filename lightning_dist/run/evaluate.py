@@ -3,7 +3,8 @@
 The model is what :func:`~lightning_dist.checkpoint.hf_model.resolve_hf_model` finds (a checkpoint's ``hf/`` save,
 else the checkpoint exported; a LoRA run's adapter on its base model), evaluated by lm-eval's HuggingFace backend
 (:func:`lightning_dist.callbacks.evaluation.evaluate`). The metrics are printed as ``eval/<task>/<metric>`` and, for a
-run folder, written to ``<run>/eval/<checkpoint>.json`` with lm-eval's whole result (or to ``--output``).
+run folder or one of its checkpoints, written to ``<run>/eval/<checkpoint>.json`` (``step-00000500.json``) with
+lm-eval's whole result (or to ``--output``). A failure is one line, and nothing is written.
 
 Examples::
 
@@ -18,9 +19,6 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-
-from lightning_dist.callbacks.evaluation import evaluate
-from lightning_dist.checkpoint.hf_model import resolve_hf_model
 
 
 def _limit(text: str) -> int | float:
@@ -39,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", type=Path, help="the base model of a LoRA adapter (default: the one it names)")
     parser.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda where there is one)")
     parser.add_argument("--dtype", default="auto", help="the weights' dtype: auto, bfloat16, float32")
-    parser.add_argument("--output", type=Path, help="where to write the results (default: <run>/eval/<ckpt>.json)")
+    parser.add_argument(
+        "--output", type=Path, help="the results file (default for a run or checkpoint: <run>/eval/<checkpoint>.json)"
+    )
     args = parser.parse_args(argv)
     missing = [
         dist
@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if missing:
         sys.exit(f"lightning-dist-eval needs {', '.join(missing)}: pip install 'lightning-dist[hf,eval]'")
+    # deferred: `--help` and a bad argument answer without torch (tests/unit/test_layering.py: DEFERRED)
+    from lightning_dist.callbacks.evaluation import evaluate
+    from lightning_dist.checkpoint.hf_model import resolve_hf_model
+
     batch = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
     model = None
     whole: dict = {}
@@ -65,20 +69,26 @@ def main(argv: list[str] | None = None) -> None:
             results=whole,
         )
     except ValueError as err:
-        sys.exit(f"lightning-dist-eval: {err}")
+        sys.exit(f"lightning-dist-eval: {err} No results written.")
     finally:
         if model is not None:
             model.cleanup()
     for key, value in metrics.items():
         print(f"{key:48s} {value:.4f}")
-    output = args.output
-    if output is None and (args.model / "checkpoints").is_dir():
-        output = args.model / "eval" / "latest.json"  # the run's newest checkpoint
+    output = args.output or results_path(model.checkpoint)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         record = {"model": str(args.model), "tasks": args.tasks, "metrics": metrics, "lm_eval": whole}
         output.write_text(json.dumps(record, indent=2, default=str) + "\n")
         print(f"results -> {output}")
+
+
+def results_path(checkpoint: Path | None) -> Path | None:
+    """``<run>/eval/<checkpoint>.json`` for a checkpoint of a run (``<run>/checkpoints/<checkpoint>``); ``None`` for a
+    HuggingFace folder, or a checkpoint outside a run's ``checkpoints`` folder (``--output`` names the file)."""
+    if checkpoint is None or checkpoint.parent.name != "checkpoints":
+        return None
+    return checkpoint.parent.parent / "eval" / f"{checkpoint.name}.json"
 
 
 if __name__ == "__main__":

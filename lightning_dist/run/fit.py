@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -155,6 +156,7 @@ class RunCallbacks:
         return RunResult(
             output_dir=str(out_dir),
             layout=valid.layout,
+            devices=devices_of(trainer),
             steps=trainer.global_step,
             train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else float("nan"),
             val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
@@ -267,3 +269,10 @@ def eval_callback(cfg: TrainConfig, checkpoints: Path) -> EvalCallback:
         num_fewshot=ev.num_fewshot,
         batch_size=ev.batch_size,
     )
+
+
+def devices_of(trainer: pl.Trainer) -> str:
+    """What the run ran on, e.g. ``2 x CPU`` or ``8 x NVIDIA H100 80GB HBM3`` (the processes and this rank's device)."""
+    device = trainer.strategy.root_device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
+    return f"{trainer.world_size} x {name}"

@@ -18,11 +18,10 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lightning_dist.checkpoint.hf_model import HFModel, load_hf_model, resolve_hf_model, tokenizer_folder
+if TYPE_CHECKING:
+    from lightning_dist.checkpoint.hf_model import HFModel
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -43,6 +42,10 @@ def generate(
     dtype: str = "auto",
 ) -> list[str]:
     """The texts ``model`` writes after ``prompt`` (the prompt itself left out)."""
+    import torch  # deferred: `--help` answers without torch (tests/unit/test_layering.py: DEFERRED)
+
+    from lightning_dist.checkpoint.hf_model import load_hf_model, tokenizer_folder  # deferred: as torch
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer = load_hf_model(model, device, dtype)
     if chat:
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     missing = [name for name in ("transformers", "peft") if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"lightning-dist-generate needs {', '.join(missing)}: pip install 'lightning-dist[hf]'")
+    from lightning_dist.checkpoint.hf_model import resolve_hf_model  # deferred: `--help` answers without torch
+
     model = None
     try:
         model = resolve_hf_model(args.model, args.base)

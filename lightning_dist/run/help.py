@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import os
 import re
 import sys
 import textwrap
@@ -53,6 +54,14 @@ SCHEMAS: dict[str, type] = {
 TARGET_GROUPS = ("logger", "callbacks")
 #: The groups in the order shown.
 ORDER = ("model", "data", "parallelism", "cluster", "trainer", "logger", "callbacks", "debug", "recipe", "hardware")
+PLAN_APP = "lightning-dist-plan"
+PLAN_EXAMPLES = [
+    f"{PLAN_APP} model=llama_8b cluster=slurm cluster.num_nodes=2 hardware=h100_sxm     # 16 H100s: which layout",
+    f"{PLAN_APP} model=llama_70b cluster.num_nodes=32 data.seq_len=8192 plan.top=5",
+    f"{PLAN_APP} recipe=llama_8b_slurm_2x8_h100 plan.format=json > plan.json          # every layout, as JSON",
+    f"{PLAN_APP} model=llama_8b cluster.num_nodes=2 plan.trace=true                    # + a traced rank",
+    f"{PLAN_APP} model=llama_8b hardware=h100_ethernet_100gbps plan.tokens=1e12    # cost curve: sync vs DiLoCo",
+]
 EXAMPLES = [
     f"{APP}                                         # the default job: 2 CPU processes, about a minute",
     f"{APP} parallelism=fsdp trainer.max_steps=50   # FSDP2 over both processes",
@@ -183,6 +192,36 @@ def overview(cfg: DictConfig, choices: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def plan_overview(cfg: DictConfig, choices: dict[str, str]) -> str:
+    """``lightning-dist-plan --help``: what it reads of the training config, its own settings and the groups."""
+    lines = [
+        f"{PLAN_APP} {__version__}: rank every layout of a training job (memory, tokens/s, MFU, exposed",
+        f"communication) before renting the machines. It composes the config {APP} would run and writes nothing.",
+        "",
+        f"usage: {PLAN_APP} [GROUP=OPTION ...] [KEY=VALUE ...]",
+        f"       {PLAN_APP} --help GROUP | GROUP.FIELD | plan      a group's options and fields, or one field's help",
+        "",
+        "what a plan reads:",
+        "  model                the model planned (a Llama-family model=hf as its shape)",
+        "  data                 data.global_batch_size x data.seq_len tokens per step (synthetic data: the model's",
+        "                       max_seq_len unless data.seq_len is given)",
+        "  cluster, hardware    the world: cluster.num_nodes x the devices of a node; the device and its links",
+        "  parallelism          what every layout keeps: float8, loss_chunks, cpu_offload, DiLoCo's every / fragments",
+        "",
+        "plan settings (plan.FIELD=VALUE):",
+    ]
+    for name, kind, doc in fields_of(sections()["plan"], "plan."):
+        lines.append(f"  {name}: {kind} = {_value(cfg, name)}")
+        lines += [f"      {line}" for line in textwrap.wrap(plain(doc), 110)]
+    lines += ["", "config groups (GROUP=OPTION; * = chosen now):"]
+    for group in groups():
+        chosen = choices.get(group)
+        lines += _wrapped(f"  {group}", ", ".join(f"{n}*" if n == chosen else n for n, _ in options(group)), 15)
+    lines += ["", "examples:", *(f"  {example}" for example in PLAN_EXAMPLES), ""]
+    lines.append("more: --cfg job prints the composed config; docs/planner.md")
+    return "\n".join(lines)
+
+
 def group_text(group: str, cfg: DictConfig, choices: dict[str, str]) -> str:
     """``--help <group>``: its options, then each field with its type, value now and help."""
     lines = [*textwrap.wrap(f"{group}: {plain(group_doc(group))}", 118), ""]
@@ -224,11 +263,11 @@ def field_text(dotted: str, cfg: DictConfig) -> str | None:
     return None
 
 
-def help_text(topic: str | None, overrides: list[str]) -> tuple[str, bool]:
-    """The text ``--help [topic]`` prints with these overrides, and whether the topic was found."""
+def help_text(topic: str | None, overrides: list[str], app: str = APP) -> tuple[str, bool]:
+    """The text ``<app> --help [topic]`` prints with these overrides, and whether the topic was found."""
     cfg, choices = composed(overrides)
     if topic is None:
-        return overview(cfg, choices), True
+        return (plan_overview(cfg, choices) if app == PLAN_APP else overview(cfg, choices)), True
     if topic in groups() or topic in sections():
         return group_text(topic, cfg, choices), True
     found = field_text(topic, cfg)
@@ -239,6 +278,20 @@ def help_text(topic: str | None, overrides: list[str]) -> tuple[str, bool]:
     close = difflib.get_close_matches(topic, names, n=3)
     hint = f"; did you mean {' or '.join(close)}?" if close else f"; the groups: {', '.join(groups())}"
     return f"--help {topic}: no such group or field{hint}", False
+
+
+def answer_help(args: list[str], app: str = APP) -> None:
+    """``<app> --help [GROUP | GROUP.FIELD | SECTION]`` with any overrides: ours, from the schema's docstrings
+    (Hydra's own is ``--hydra-help``). Exits 0, or 2 naming the closest topics for one that does not exist."""
+    flag = next(i for i, arg in enumerate(args) if arg in ("--help", "-h"))
+    after = args[flag + 1] if flag + 1 < len(args) else ""
+    topic = after if after and not after.startswith("-") and "=" not in after else None
+    text, found = help_text(topic, [arg for arg in args if "=" in arg and not arg.startswith("-")], app)
+    try:
+        print(text, file=sys.stdout if found else sys.stderr, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0 if found else 2)
 
 
 def plain(text: str, markdown: bool = False) -> str:

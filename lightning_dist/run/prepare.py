@@ -37,7 +37,13 @@ Examples::
     lightning-dist-prepare web/ 'HuggingFaceFW/fineweb-edu?name=sample-10BT&max_tokens=2B' --weights 0.3 0.7 \\
         --tokenizer meta-llama/Llama-3.1-8B out/
     lightning-dist-train cluster=gpu model=llama_1b data=tokens data.path=out/ data.token_dtype=uint32 \\
-        model.vocab_size=128256
+        data.vocab_size=128256 model.vocab_size=128256 data.seq_len=2048
+
+It ends by printing the ``lightning-dist-train`` command that trains on OUT as it is (its vocabulary, element type
+and ``--seq-len`` windows). The splits are sized for it before anything is written: a validation window for each
+process of the default layout, and a batch of training windows (a smaller batch, named in the command, for a small
+corpus); ``--seq-len`` and ``--val-fraction``, when not given, are chosen to fit (one line says so), and given values
+that do not fit are refused in one line naming what would.
 """
 
 from __future__ import annotations
@@ -45,14 +51,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
+from lightning_dist.config.schema import CONF_DIR
 from lightning_dist.data import corpus
 from lightning_dist.data.blend import Blend
 from lightning_dist.data.config import DataConfig
@@ -60,6 +69,17 @@ from lightning_dist.data.sources import Source, open_source, parse_source
 from lightning_dist.data.tokenizer_training import TOKENIZER_CHARS, train_tokenizer
 from lightning_dist.hub import HUB_STREAM, hub_snapshot, hub_stream, looks_like_hub_id
 from lightning_dist.manifest import DATA_MANIFEST, write_manifest
+from lightning_dist.models.gpt_config import GPTConfig
+
+#: The part of each source held out for validation when ``--val-fraction`` is not given (nanoGPT's share), raised
+#: for a small corpus to :data:`VAL_WINDOWS` windows.
+VAL_FRACTION = 0.0005
+#: The windows ``--seq-len`` tries when not given, longest first: the default model's context, then halves.
+SEQ_LENS = tuple(GPTConfig().max_seq_len >> i for i in range(6))
+#: What the printed command needs on the default config: a batch of windows (conf/data/tokens.yaml), and a
+#: validation window for each process of the default layout (conf/cluster/local_cpu.yaml).
+TRAIN_WINDOWS = int(OmegaConf.load(CONF_DIR / "data" / "tokens.yaml").global_batch_size)
+VAL_WINDOWS = int(OmegaConf.load(CONF_DIR / "cluster" / "local_cpu.yaml").devices)
 
 
 def _source_files(source: str) -> list[Path]:
@@ -215,16 +235,21 @@ def prepare(
     out: Path,
     tokenizer: str,
     weights: list[float] | None = None,
-    val_fraction: float = 0.0005,
+    val_fraction: float | None = VAL_FRACTION,
     num_proc: int | None = None,
     text_field: str = "text",
     train_tokens: int | None = None,
+    seq_len: int | None = None,
+    sized: bool = False,
 ) -> dict[str, Any]:
     """Write ``out/train.bin``, ``out/val.bin`` and ``out/meta.json`` (module docstring); returns the meta.
 
+    ``sized``: the splits are checked for the printed command (:func:`size_splits`: ``val_fraction`` and ``seq_len``
+    ``None`` are chosen there) before ``train.bin`` and ``val.bin`` are written; the meta's ``seq_len`` is the window.
+
     Raises:
         ValueError: Weights not one per source or not positive, a fraction outside [0, 1), a source or tokenizer
-            that cannot be read (one line each).
+            that cannot be read, splits too short for the printed command (one line each).
     """
     blend = Blend(weights, "--weights") if weights else None
     if blend is not None and len(blend.shares) != len(sources):
@@ -233,7 +258,7 @@ def prepare(
         raise ValueError(f"--train-tokens {train_tokens} sizes a mixture; give --weights too, or leave it out")
     if train_tokens is not None and train_tokens < 1:
         raise ValueError(f"--train-tokens {train_tokens} must be >= 1 (the mixture's tokens; leave it out for all).")
-    if not 0 <= val_fraction < 1:
+    if val_fraction is not None and not 0 <= val_fraction < 1:
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1).")
     folder = _tokenizer_folder(tokenizer)
     data = replace(DataConfig(kind="hf", tokenizer=folder), num_proc=num_proc, text_field=text_field)
@@ -243,10 +268,91 @@ def prepare(
     work.mkdir(parents=True, exist_ok=True)
     parts = [np.memmap(tokenize_source(s, data, work, dtype), dtype=dtype, mode="r") for s in sources]
     meta: dict[str, Any] = {"tokenizer": tokenizer, "vocab_size": vocab, "token_dtype": np.dtype(dtype).name}
+    if sized:
+        splits = size_splits([len(tokens) for tokens in parts], val_fraction, seq_len, train_tokens)
+        val_fraction, meta["seq_len"] = splits.val_fraction, splits.seq_len
+        if splits.global_batch_size is not None:
+            meta["global_batch_size"] = splits.global_batch_size
+    val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
     meta.update(write_splits(out, sources, parts, val_fraction, blend, train_tokens))
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     write_manifest(out, DATA_MANIFEST, ["train.bin", "val.bin", "meta.json"])  # checked before data=tokens reads it
     return meta
+
+
+@dataclass(frozen=True)
+class Splits:
+    """What a prepared corpus is written for: its validation fraction, the window (``data.seq_len``) and, when the
+    corpus is too small for the default one, the global batch (``data.global_batch_size``)."""
+
+    val_fraction: float
+    seq_len: int
+    global_batch_size: int | None = None
+
+
+def size_splits(
+    tokens: list[int], val_fraction: float | None, seq_len: int | None, train_tokens: int | None = None
+) -> Splits:
+    """The splits the printed command trains on as pasted, for sources of ``tokens`` tokens (a mixture of
+    ``train_tokens``: that many to train on): a validation window for each of the default layout's
+    :data:`VAL_WINDOWS` processes, and a batch of :data:`TRAIN_WINDOWS` training windows (data=tokens' default), else
+    a smaller batch the printed command names. ``val_fraction`` / ``seq_len`` ``None``: :data:`VAL_FRACTION` raised,
+    and the longest of :data:`SEQ_LENS`, that fit (one line says what was chosen).
+
+    Raises:
+        ValueError: A split too short at the given values (one line naming the value that would do).
+    """
+    total, fits = sum(tokens), []
+    for length in [seq_len] if seq_len is not None else SEQ_LENS:
+        window = length + 1
+        fraction = val_fraction
+        if fraction is None:  # one validation window per process: (windows + one token lost per source) of all
+            fraction = max(VAL_FRACTION, _round_up((VAL_WINDOWS * window + len(tokens)) / total))
+        held = sum(int(n * fraction) for n in tokens)
+        train = train_tokens if train_tokens is not None else sum(n - int(n * fraction) for n in tokens)
+        if held // window >= VAL_WINDOWS and train // window >= VAL_WINDOWS and fraction < 1:
+            fits.append((fraction, length, train // window))
+            if train // window >= TRAIN_WINDOWS:
+                break
+    if fits:
+        fraction, length, windows = max(fits, key=lambda fit: (fit[2] >= TRAIN_WINDOWS, fit[1]))  # else the longest
+        batch = None if windows >= TRAIN_WINDOWS else windows // VAL_WINDOWS * VAL_WINDOWS
+        if (fraction, length) != (val_fraction, seq_len) or batch is not None:
+            chosen = f" (data.global_batch_size={batch}: {windows} training windows)" if batch else ""
+            print(f"sized for {total:,} tokens: --seq-len {length} --val-fraction {fraction:g}{chosen}", flush=True)
+        return Splits(fraction, length, batch)
+    window = (seq_len or SEQ_LENS[-1]) + 1
+    if val_fraction is not None and sum(int(n * val_fraction) for n in tokens) // window < VAL_WINDOWS:
+        needed = _round_up((VAL_WINDOWS * window + len(tokens)) / total)
+        raise ValueError(
+            f"--val-fraction {val_fraction:g} holds out {held:,} of {total:,} tokens, fewer than {VAL_WINDOWS} "
+            f"windows of --seq-len {window - 1} ({window} tokens; one per process of the default layout) for "
+            f"validation; use --val-fraction {needed:g}, or a smaller --seq-len."
+        )
+    raise ValueError(
+        f"the corpus holds {total:,} tokens: fewer than {VAL_WINDOWS} training and {VAL_WINDOWS} validation windows "
+        f"of --seq-len {window - 1} ({window} tokens each); "
+        + ("lower --seq-len, or give more text." if seq_len is not None else "give more text.")
+    )
+
+
+def _round_up(fraction: float) -> float:
+    """``fraction`` rounded up to two significant digits (0.03012 -> 0.031)."""
+    digits = max(0, -math.floor(math.log10(fraction)) + 1)
+    return math.ceil(fraction * 10**digits) / 10**digits
+
+
+def train_command(out: str, meta: dict[str, Any]) -> str:
+    """The ``lightning-dist-train`` command that trains on ``out`` as it is: its vocabulary for the data and the model,
+    its element type, windows of its ``seq_len`` (the model's context raised to it when the default model's is
+    shorter) and, for a small corpus, its global batch."""
+    vocab, seq_len, batch = meta["vocab_size"], meta["seq_len"], meta.get("global_batch_size")
+    command = (
+        f"lightning-dist-train data=tokens data.path={out} data.token_dtype={meta['token_dtype']} "
+        f"data.vocab_size={vocab} model.vocab_size={vocab} data.seq_len={seq_len}"
+    )
+    command += f" model.max_seq_len={seq_len}" if seq_len > GPTConfig().max_seq_len else ""
+    return command + (f" data.global_batch_size={batch}" if batch else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,10 +377,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--weights", nargs="+", type=float, help="each source's share of the mixture (no copies)")
     parser.add_argument("--train-tokens", type=float, help="with --weights: the mixture's tokens (default: all)")
-    parser.add_argument("--val-fraction", type=float, default=0.0005, help="each source's last tokens held out")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        help=f"each source's last tokens held out (default {VAL_FRACTION:g}, or {VAL_WINDOWS} windows if more)",
+    )
     parser.add_argument("--num-proc", type=int, help="tokenizing processes (default min(8, CPU count))")
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"the window the printed command trains with (data.seq_len; default {SEQ_LENS[0]}, or less to fit)",
+    )
     args = parser.parse_args(argv)
+    if args.seq_len is not None and args.seq_len < 1:
+        sys.exit(f"lightning-dist-prepare: --seq-len {args.seq_len} must be >= 1.")
     try:
         meta = prepare(
             args.sources,
@@ -285,14 +402,14 @@ def main(argv: list[str] | None = None) -> None:
             args.num_proc,
             args.text_field,
             int(args.train_tokens) if args.train_tokens is not None else None,
+            args.seq_len,
+            sized=True,
         )
     except ValueError as err:
         sys.exit(f"lightning-dist-prepare: {err}")
-    train = meta["train_tokens"]
-    print(
-        f"{args.out}: {train:,} train tokens; data=tokens data.path={args.out} "
-        f"data.token_dtype={meta['token_dtype']} model.vocab_size={meta['vocab_size']}"
-    )
+    val = sum(s["val_tokens"] for s in meta["sources"])
+    print(f"{args.out}: {meta['train_tokens']:,} train tokens, {val:,} validation tokens; train on them with:")
+    print(train_command(args.out, meta))
 
 
 def _tokenizer_of(args: argparse.Namespace) -> str:

@@ -26,6 +26,8 @@ class RunResult:
     output_dir: str
     #: The parallel layout in words, e.g. ``fsdp: pp=1 dp_replicate=1 dp_shard=2 tp=1 (world 2)``.
     layout: str
+    #: What the run ran on: processes x device, e.g. ``2 x CPU`` or ``8 x NVIDIA H100 80GB HBM3``.
+    devices: str | None = None
     #: Optimizer steps done (``trainer.global_step``); ``None``: the job has not run here (a submission).
     steps: int | None = None
     #: The last logged ``train/loss`` (NaN when none was logged).

@@ -32,6 +32,7 @@ from lightning_dist.config.cluster_rules import should_submit
 from lightning_dist.config.keys import group_options, hydra_error_line, search_dirs, unknown_option_line
 from lightning_dist.config.loggers import is_wandb
 from lightning_dist.config.loggers import moved_key as moved_logger_key
+from lightning_dist.config.resumed import with_run_overrides
 from lightning_dist.config.schema import CONF_DIR, DataConfig, TrainConfig, register_configs, to_train_config
 from lightning_dist.config.trainer_args import MOVED
 from lightning_dist.config.validate import ValidRun, validate
@@ -40,7 +41,7 @@ from lightning_dist.errors import PREEMPTED_EXIT_CODE, DivergedError, first_line
 from lightning_dist.run import slurm
 from lightning_dist.run.cluster import preflight
 from lightning_dist.run.console import LOG_FILE, log_to, say
-from lightning_dist.run.help import help_text
+from lightning_dist.run.help import answer_help
 from lightning_dist.run.launch import RankFailedError, launch, launched_externally
 from lightning_dist.run.lock import hold_run_folder
 from lightning_dist.run.replica_groups import launch_replica_groups
@@ -71,6 +72,7 @@ def main() -> None:
         moved = moved_logger_key(key) if key.startswith("logger.") else None
         if moved:
             raise SystemExit(f"{moved}={arg.split('=', 1)[-1]}" if "=" in arg else moved)
+    _compose_with_the_runs_overrides()
     _check_recipe(sys.argv[1:])
     full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -105,18 +107,21 @@ def _check_recipe(args: list[str]) -> None:
                 sys.exit(1)
 
 
+def _compose_with_the_runs_overrides() -> None:
+    """``resume=<run>``: the run's own overrides before the command line's (:mod:`lightning_dist.config.resumed`),
+    in ``sys.argv`` where Hydra reads them, said in one line."""
+    given = sys.argv[1:]
+    args = with_run_overrides(given)
+    if args != given:
+        sys.argv[1:] = args
+        if is_global_zero():
+            theirs = [arg for arg in args if arg not in given]
+            print(f"resume: the run's own overrides first: {' '.join(theirs)}", file=sys.stderr, flush=True)
+
+
 def _help(args: list[str]) -> None:
-    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours, from the schema's docstrings (Hydra's own is
-    ``--hydra-help``). Exits 0, or 2 naming the closest topics for one that does not exist."""
-    flag = next(i for i, arg in enumerate(args) if arg in ("--help", "-h"))
-    after = args[flag + 1] if flag + 1 < len(args) else ""
-    topic = after if after and not after.startswith("-") and "=" not in after else None
-    text, found = help_text(topic, [arg for arg in args if "=" in arg and not arg.startswith("-")])
-    try:
-        print(text, file=sys.stdout if found else sys.stderr, flush=True)
-    except BrokenPipeError:  # `--help | head`: the reader has gone
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(0 if found else 2)
+    """``--help [GROUP | GROUP.FIELD]`` with any overrides: ours (:func:`~lightning_dist.run.help.answer_help`)."""
+    answer_help(args)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -201,7 +206,7 @@ def run(cfg: TrainConfig) -> RunResult:
     if should_submit(cfg.cluster):  # on the login node
         result = slurm.submit(cfg, valid.layout, run)
         if result.steps is not None:  # submitit's local executor ran it here
-            _print_summary(result)
+            _print_summary(result, cfg)
         return result
     # One job per run folder: held by the launcher (ours) or rank 0 (torchrun / srun), released however this ends.
     with hold_run_folder(out_dir) if is_global_zero() else nullcontext():
@@ -220,7 +225,7 @@ def run(cfg: TrainConfig) -> RunResult:
             result.wall_time_s = time.perf_counter() - start
             if is_global_zero():  # one writer per job
                 _write_report(valid, result)
-    _print_summary(result)
+    _print_summary(result, cfg)
     check_trained(result, cfg.resilience.on_nonfinite)
     return result
 
@@ -350,7 +355,7 @@ def _check_writable(folder: Path, what: str = "") -> None:
         raise ValueError(f"{where} is not writable ({err.strerror}); choose another with output_dir=...") from None
 
 
-def _print_summary(result: RunResult) -> None:
+def _print_summary(result: RunResult, cfg: TrainConfig) -> None:
     """What ran and where everything went: the run folder, its report, checkpoint, log file and each logger's files."""
     if not is_global_zero():
         return
@@ -360,8 +365,14 @@ def _print_summary(result: RunResult) -> None:
         f"run directory : {result.output_dir}",
         f"layout        : {result.layout}",
         f"steps         : {result.steps} in {result.wall_time_s:.1f} s",
-        f"train/loss    : {result.train_loss:.4f}",
-        f"val/loss      : {result.val_loss:.4f}" if result.val_loss is not None else "val/loss      : -",
+        f"train/loss    : {result.train_loss:.4f}"
+        if any("train/loss" in record for record in result.history)
+        or result.train_loss is None
+        or not math.isnan(result.train_loss)
+        else "train/loss    : - (no step trained or logged in this start)",
+        f"val/loss      : {result.val_loss:.4f}"
+        if result.val_loss is not None
+        else f"val/loss      : - ({no_val(cfg, result)})",
     ]
     if floor is not None:
         lines.append(f"loss floor    : {floor:.4f} nats/token (entropy rate of the synthetic corpus)")
@@ -376,6 +387,19 @@ def _print_summary(result: RunResult) -> None:
     for name, where in result.logs.items():
         lines.append(f"{name:<14}: {where}")
     say("\n".join(lines))
+
+
+def no_val(cfg: TrainConfig, result: RunResult) -> str:
+    """Why a run has no ``val/loss``, in the summary's words."""
+    trainer, data = cfg.trainer, cfg.data
+    if trainer.limit_val_batches == 0:
+        return "validation off: trainer.limit_val_batches=0"
+    if getattr(data, "streaming", False) and getattr(data, "val_path", None) is None:
+        return "no validation data: data.streaming=true reads it from data.val_path"
+    every = trainer.val_check_interval
+    if isinstance(every, int) and result.steps is not None and result.steps < every:
+        return f"no validation ran: it runs every trainer.val_check_interval={every} steps; the run took {result.steps}"
+    return "no validation ran"
 
 
 def _fail(err: Exception, out_dir: Path) -> None:

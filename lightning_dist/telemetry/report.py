@@ -37,6 +37,7 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     keep = (
         "output_dir",
         "layout",
+        "devices",
         "steps",
         "train_loss",
         "val_loss",

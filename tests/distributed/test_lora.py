@@ -177,6 +177,7 @@ def test_the_adapter_is_pushed_to_the_hub_with_a_model_card_from_the_run_s_repor
     assert "library_name: peft" in card and f"base_model: {pretrained.name}" in card
     assert f"| tokens seen | {report['steps'] * report['tokens_per_step']:,} |" in card
     assert "| LoRA | rank 4, alpha 8" in card and f"| layout | {report['layout']} |" in card
+    assert "| trained on | 2 x CPU |" in card and "H100" not in card  # what ran, not the planner's hardware
     for record in report["history"]:  # the loss curve, every step of this short run
         assert f"| {int(record['step'])} | {record['train/loss']:.4f} |" in card
 

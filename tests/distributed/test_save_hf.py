@@ -69,9 +69,6 @@ def test_a_model_without_huggingface_names_is_refused_before_launch() -> None:
 
     with pytest.raises(ValueError, match=r"^checkpoint.save_hf=true with model.arch=gpt2: its HuggingFace weights"):
         validate(compose_config([*FAST, "checkpoint.save_hf=true", "model.arch=gpt2"]))
-    # Lightning's DDP saves one file per checkpoint: no folder for hf/ (it failed at the first save: NotADirectoryError)
-    with pytest.raises(ValueError, match=r"^checkpoint.save_hf=true with parallelism=ddp: .* use parallelism=fsdp"):
-        validate(compose_config([*FAST, "checkpoint.save_hf=true", "parallelism=ddp"]))
 
 
 def test_a_model_larger_than_a_shard_is_written_in_files_with_their_index(
@@ -93,3 +90,40 @@ def test_a_model_larger_than_a_shard_is_written_in_files_with_their_index(
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, module(tokens), rtol=1e-5, atol=1e-5)
+
+
+#: A pretrained tiny Llama whose every linear weight fills NF4's groups of 64 x 256 values (QLoRA can quantize it).
+NF4_LLAMA = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+
+
+@pytest.mark.parametrize(("quantize", "devices"), [(None, 2), ("nf4", 1)], ids=["lora-2-devices", "qlora-1-device"])
+def test_lora_and_qlora_on_the_default_layout_write_an_adapter_folder_peft_loads(
+    quantize: str | None, devices: int, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """The most common fine-tune, on the default layout (parallelism=ddp, whose Lightning DDP writes each checkpoint
+    as one file: no folder for hf/, and QLoRA's 4-bit base read back too early): it runs as the mesh's replication,
+    saying so in one line, and each checkpoint's hf/ is the peft adapter lightning-dist-export writes."""
+    peft = pytest.importorskip("peft")
+    if quantize:
+        pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**NF4_LLAMA, initializer_range=0.1)).save_pretrained(
+        tmp_path / "pretrained"
+    )
+    common = [o for o in FAST if not o.startswith("model.")]
+    lora = ["model=hf", f"model.pretrained={tmp_path / 'pretrained'}", "model.lora.rank=4"]
+    lora += [f"model.lora.quantize={quantize}"] if quantize else []
+    run = run_app([*common, *SAVING, *lora, f"cluster.devices={devices}"], tmp_path / "run")
+    assert "note: checkpoint.save_hf=true" in capfd.readouterr().err
+    assert run["layout"].startswith("fsdp: ") and f"dp_replicate={devices} dp_shard=1" in run["layout"]
+    hf = Path(run["checkpoint"]) / "hf"
+    export_main([str(Path(run["checkpoint"])), str(tmp_path / "export")])
+    written, exported = _weights(hf), _weights(tmp_path / "export")
+    assert written.keys() == exported.keys() and any(".lora_B." in name for name in written)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(written[name], tensor, rtol=0, atol=0, msg=name)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, hf).eval()
+    ids = torch.randint(0, 256, (1, 8))
+    assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, min_new_tokens=3).shape == (1, 11)

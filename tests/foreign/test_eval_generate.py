@@ -12,6 +12,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,23 @@ def test_lightning_dist_generate_continues_a_prompt_as_transformers_does(
     assert capsys.readouterr().out.count("--- ") == 2
 
 
+def test_two_ranks_evaluating_at_their_last_step_end_together_with_the_report(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """The last step is an evaluation step: evaluated once (after its batch), and no rank waits alone at the end (rank 1
+    used to enter a barrier by itself in on_train_end: rc 1, 'Connection closed by peer', no report)."""
+    common = [o for o in FAST if not o.startswith(("model.", "logger=", "data.", "trainer.max_steps"))]
+    run = run_app([*common, "model=hf", f"model.pretrained={setup['folder']}", "model.lora.rank=4",
+                   "data.vocab_size=300", "data.seq_len=32", "data.global_batch_size=4", "data.num_train_samples=64",
+                   "trainer.max_steps=2", "parallelism=fsdp", "cluster.devices=2", "logger=csv",
+                   "trainer.enable_checkpointing=true", "checkpoint.every_n_steps=2", "checkpoint.save_hf=true",
+                   "eval.tasks=[tiny_sums]", "eval.every_n_steps=2", f"eval.include_path={setup['tasks']}",
+                   "eval.limit=4"], tmp_path / "run")  # fmt: skip
+    assert run["steps"] == 2 and (tmp_path / "run" / "report.json").is_file()
+    rows = [row for f in (tmp_path / "run").rglob("metrics.csv") for row in csv.DictReader(f.open())]
+    assert [int(row["step"]) for row in rows if row.get("eval/tiny_sums/acc")] == [2]
+
+
 def test_a_lora_run_is_evaluated_during_training_and_generates_from_its_folder(
     setup: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -128,6 +148,14 @@ def test_a_lora_run_is_evaluated_during_training_and_generates_from_its_folder(
         assert perplexity == pytest.approx(_expected(model, tokenizer)["perplexity"], rel=1e-4), step
         assert perplexity != pytest.approx(before, rel=1e-3), step  # the adapters changed the model
 
+    # lightning-dist-eval on the run: the newest checkpoint's results at <run>/eval/<checkpoint>.json, as --help says
+    capsys.readouterr()
+    eval_main([str(tmp_path / "run"), "--tasks", "tiny_sums", "--include-path", str(setup["tasks"]), "--device", "cpu",
+               "--dtype", "float32"])  # fmt: skip
+    written = tmp_path / "run" / "eval" / f"{Path(run['checkpoint']).name}.json"
+    assert f"results -> {written}" in capsys.readouterr().out and Path(run["checkpoint"]).name == "step-00000002"
+    assert json.loads(written.read_text())["metrics"]["eval/tiny_sums/perplexity"] == pytest.approx(logged[2], rel=1e-4)
+
     capsys.readouterr()
     generate_main([str(tmp_path / "run"), "What is 3 plus 3?", "--greedy", "--max-new-tokens", "4", "--device", "cpu"])
     printed = capsys.readouterr().out.strip()
@@ -139,3 +167,23 @@ def test_a_lora_run_is_evaluated_during_training_and_generates_from_its_folder(
     assert printed == "What is 3 plus 3?" + tokenizer.decode(
         out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
     )
+
+
+def test_a_task_whose_data_cannot_be_downloaded_is_one_line_and_writes_nothing(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
+    """arc_easy offline (an empty HuggingFace cache, the hub unreachable): one line, as every other command, not
+    datasets' traceback."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_dist.run.evaluate", str(setup["folder"]), "--tasks", "arc_easy", "--limit",
+         "2", "--device", "cpu", "--output", str(out)],
+        capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightning-dist-eval: the data of arc_easy could not be loaded (") and "Traceback" not in (
+        done.stderr
+    )
+    assert last.endswith("No results written.") and not out.exists()

@@ -187,7 +187,8 @@ def test_the_slurm_recipes_validate_and_keep_tensor_parallelism_inside_a_node(
     data = tmp_path / "tokens"
     data.mkdir()
     for split in ("train", "val"):
-        (data / f"{split}.bin").write_bytes(b"\0" * 4 * 300_000)  # uint32 token ids
+        # uint32 token ids: a global batch of windows (128 x 8193 tokens for the 70B recipe), checked before submitting
+        (data / f"{split}.bin").write_bytes(b"\0" * 4 * 1_100_000)
     cfg = compose_config([f"recipe={recipe}", f"data.path={data}", "cluster.slurm.dry_run=true"], tmp_path / "run")
     valid = validate(cfg)
     cfg, dims = valid.cfg, valid.dims

@@ -92,9 +92,11 @@ def test_a_hub_dataset_id_is_downloaded_and_read_as_a_folder(hub: HubStandIn, tm
     from helpers import make_tiny_tokenizer
 
     make_tiny_tokenizer(tokenizer, [f"line {i}" for i in range(20)], vocab_size=280)
+    # its 6 windows of 8 tokens: a global batch of 2 to train on (checked before launch)
     cfg = compose_config([*FAST, "data=hf", "data.path=tiny-org/tiny-corpus", f"data.tokenizer={tokenizer}",
                           "data.seq_len=8", "data.sample_by=line", "data.num_proc=1",
-                          f"data.cache_dir={tmp_path / 'tokens'}", "model.vocab_size=300"])  # fmt: skip
+                          f"data.cache_dir={tmp_path / 'tokens'}", "model.vocab_size=300",
+                          "data.global_batch_size=2"])  # fmt: skip
     valid = validate(cfg)
     assert (Path(valid.cfg.data.path) / "train" / "part-0.jsonl").is_file()
     assert hub.fetched("part-0.jsonl") == 1

@@ -59,10 +59,16 @@ DEFERRED: dict[str, tuple[str, ...]] = {
     "lightning_dist.run.cluster": ("lightning.pytorch", "lightning.pytorch.plugins.environments"),  # in a rank
     "lightning_dist.run.entry": (  # each console script, once the app's packages are known to be installed
         "lightning_dist.plan.cli",
+        "lightning_dist.run.help",
         "lightning_dist.run.reproduce",
         "lightning_dist.run.train",
         "lightning_dist.telemetry.report",
     ),
+    "lightning_dist.run.evaluate": (  # once the arguments are read: `--help` answers without torch
+        "lightning_dist.callbacks.evaluation",
+        "lightning_dist.checkpoint.hf_model",
+    ),
+    "lightning_dist.run.generate": ("torch", "lightning_dist.checkpoint.hf_model"),  # as run.evaluate
     "lightning_dist.run.launch": ("torch", "torch.distributed"),  # in a rank
     "lightning_dist.run.train": (
         "lightning_dist.checkpoint.resume",  # a restart

@@ -6,6 +6,8 @@ on the corpus when asked, and a stopped run started again redoing only the sourc
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ pytest.importorskip("transformers")
 
 from helpers import compose_config, make_tiny_tokenizer
 
+from lightning_dist.config.validate import validate
 from lightning_dist.data import corpus
 from lightning_dist.data.blend import Blend
 from lightning_dist.data.files import TokenDataset
@@ -193,3 +196,80 @@ def test_a_source_s_options_are_read_and_a_glob_s_wildcard_is_not_one(tmp_path: 
     ]:
         with pytest.raises(ValueError, match=rf"^SOURCE={bad[:8]}.*: {message}"):
             parse_source(bad)
+
+
+CHATS = "\n".join(f"User: what is {i} plus {i + 1}?\nAssistant: {i} plus {i + 1} is {2 * i + 1}." for i in range(200))
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A newcomer's corpus: 200 chats in one .txt (one document), and a BPE tokenizer of 300 tokens trained on it."""
+    root = tmp_path_factory.mktemp("chats")
+    (root / "chats.txt").write_text(CHATS)
+    return root / "chats.txt", make_tiny_tokenizer(root / "tok", CHATS.splitlines(), chat_template=None)
+
+
+def _printed_command(argv: list[str], capsys: pytest.CaptureFixture) -> list[str]:
+    capsys.readouterr()
+    main(argv)
+    command = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert command[0] == "lightning-dist-train"
+    return command[1:]
+
+
+def test_the_printed_command_trains_as_pasted(
+    chats: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Pasted, it was refused three times (data.vocab_size=50304 over the model's 300; data.seq_len=1024 over the
+    default model's 256; a val.bin of 1 token): the command names the corpus's vocabulary for the data and the model,
+    and its splits are sized before anything is written. Checked as the launcher checks it before any rank starts
+    (every file read, every split against the default layout's batch and processes)."""
+    text, tok = chats
+    overrides = _printed_command([str(text), str(tmp_path / "out"), "--tokenizer", str(tok)], capsys)
+    valid = validate(compose_config(overrides, tmp_path / "run"))
+    assert valid.cfg.data.vocab_size == valid.cfg.model.vocab_size == len(corpus.load_tokenizer(str(tok)))
+    windows = (tmp_path / "out" / "val.bin").stat().st_size // 2 // (valid.cfg.data.seq_len + 1)
+    assert windows >= valid.dims.dp_size == 2  # the default layout validates a window on each process
+    assert "data.global_batch_size" not in overrides  # data=tokens' batch of 32 windows fits
+
+
+def test_a_corpus_too_small_for_the_default_batch_gets_a_command_with_its_own(
+    sources: list[str], tok: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    overrides = _printed_command([sources[0], str(tmp_path / "out"), "--tokenizer", str(tok)], capsys)
+    batch = next(int(o.split("=")[1]) for o in overrides if o.startswith("data.global_batch_size="))
+    assert 2 <= batch < 32 and batch % 2 == 0
+    validate(compose_config(overrides, tmp_path / "run"))
+
+
+def test_values_that_do_not_fit_are_refused_before_anything_is_written_naming_what_would(
+    chats: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    text, tok = chats
+    args = [str(text), str(tmp_path / "out"), "--tokenizer", str(tok), "--seq-len", "64"]
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--val-fraction", "0.0005"])
+    message = str(refused.value.code)
+    expected = (
+        r"^lightning-dist-prepare: --val-fraction 0.0005 holds out \d+ of [\d,]+ tokens, fewer than 2 windows of "
+        r"--seq-len 64 .* use --val-fraction [\d.]+, or a smaller --seq-len\.$"
+    )
+    assert re.match(expected, message), message
+    assert not (tmp_path / "out" / "train.bin").exists() and not (tmp_path / "out" / "val.bin").exists()
+    fraction = re.search(r"use --val-fraction ([\d.]+)", message).group(1)
+    overrides = _printed_command([*args, "--val-fraction", fraction], capsys)  # the value it named does
+    assert "data.seq_len=64" in overrides
+    validate(compose_config(overrides, tmp_path / "run"))
+    with pytest.raises(SystemExit, match=r"^lightning-dist-prepare: the corpus holds [\d,]+ tokens: fewer than 2 "):
+        main([*args[:-1], "100000"])
+
+
+def test_a_validation_split_shorter_than_the_data_parallel_size_is_refused_before_launch(tmp_path: Path) -> None:
+    """It was found on the ranks, after they started (rank 0: val split has 1 samples ...)."""
+    (tmp_path / "train.bin").write_bytes(np.arange(40 * 9, dtype=np.uint16).tobytes())
+    (tmp_path / "val.bin").write_bytes(np.arange(9, dtype=np.uint16).tobytes())  # one window of seq_len 8
+    tokens = ["data=tokens", f"data.path={tmp_path}", "data.seq_len=8", "data.vocab_size=512", "model.vocab_size=512"]
+    with pytest.raises(ValueError, match=r"^val split has 1 samples, fewer than the data-parallel size 2"):
+        validate(compose_config(tokens, tmp_path / "run"))
+    validate(compose_config([*tokens, "cluster.devices=1"], tmp_path / "run1"))
+    validate(compose_config([*tokens, "trainer.limit_val_batches=0"], tmp_path / "run2"))  # no validation: no need

@@ -152,7 +152,6 @@ HF = [o for o in FAST if not o.startswith("model.")] + ["model=hf", "model.lora.
             r"^model.lora.quantize=nf4 \(QLoRA\): the blocks' q_proj weight has 4096 values, not a multiple of 16384",
         ),
         ([*QGPT, "parallelism=tp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) under tp=2: tensor"),
-        ([*QGPT, "parallelism=ddp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) with parallelism=ddp"),
         ([*QGPT, "parallelism=pp", "cluster.devices=2"], r"^model.lora.quantize=nf4 \(QLoRA\) under pp=2: not wired"),
         (
             [*HF, "model.config=tiny_gpt2", "model.lora.quantize=nf4"],
@@ -172,6 +171,26 @@ def test_qlora_runs_under_fsdp_replication_and_context_parallelism() -> None:
     cp2 = [*two, "parallelism.dp_shard=1", "parallelism.cp=2"]
     for layout in (["parallelism=fsdp", "cluster.devices=1"], two, replicated, cp2):
         validate(compose_config([*QGPT, *layout]))
+
+
+def test_qlora_on_the_default_layout_runs_as_the_meshs_replication(capfd: pytest.CaptureFixture) -> None:
+    """parallelism=ddp (the default): Lightning's DDP reads its one-file checkpoints back before the base is
+    quantized, so the run replicates on the mesh (FSDP2, dp_shard=1), with one line saying so."""
+    for devices in (1, 2):
+        valid = validate(compose_config([*QGPT, "parallelism=ddp", f"cluster.devices={devices}"]))
+        assert valid.cfg.parallelism.strategy == "fsdp" and (valid.dims.dp_replicate, valid.dims.dp_shard) == (
+            devices,
+            1,
+        )
+        err = capfd.readouterr().err
+        assert err.startswith("note: model.lora.quantize=nf4 needs a checkpoint folder") and err.count("\n") == 1
+    again = validate(valid.cfg)  # a resolved config resolves to itself, silently
+    assert again.dims == valid.dims and capfd.readouterr().err == ""
+    with pytest.raises(
+        ValueError,
+        match=r"^model.lora.quantize=nf4 with parallelism.ddp.comm_hook=fp16: .* set parallelism.ddp.comm_hook=null",
+    ):
+        validate(compose_config([*QGPT, "parallelism=ddp", "parallelism.ddp.comm_hook=fp16"]))
 
 
 def test_the_planner_holds_the_qlora_base_whole_in_4_bits(tmp_path) -> None:

@@ -45,6 +45,13 @@ def test_launcher_modules_import_nothing_heavy(module: str) -> None:
     assert _heavy_after(f"import {module}") == []
 
 
+@pytest.mark.parametrize("script", ["lightning_dist.run.evaluate", "lightning_dist.run.generate"])
+def test_the_help_of_eval_and_generate_answers_without_torch(script: str) -> None:
+    """``lightning-dist-eval --help`` took 8-9 s: its imports (torch, Lightning, lm-eval) came before argparse."""
+    code = f"from {script} import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    assert _heavy_after(code) == []
+
+
 def test_importing_the_package_still_registers_our_strategies_with_lightning() -> None:
     """README: ``import lightning_dist`` registers "mesh", "fsdp2", "tensor_parallel" and "pipeline_parallel",
     whichever of the two packages is imported first; a ``Trainer`` given the name builds our strategy."""

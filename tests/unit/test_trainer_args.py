@@ -42,11 +42,31 @@ def test_any_trainer_argument_passes_through_and_the_run_fields_are_typed():
         ("+trainer.hang_timeout_s=5", r"^trainer.hang_timeout_s is not a Trainer argument and moved: use "
                                       r"resilience.hang_timeout_s=5"),
         ("+trainer.telemetry=false", r"^trainer.telemetry .* use telemetry.enabled=False"),
+        # Lightning 1's names: where the value goes now, not a source file to read
+        ("+trainer.gpus=2", r"^trainer.gpus is Lightning 1's; use cluster=gpu cluster.devices=2 \(Lightning 2 counts"),
+        ("+trainer.num_processes=4", r"^trainer.num_processes is Lightning 1's; use cluster.devices=4\.$"),
+        ("+trainer.resume_from_checkpoint=x.ckpt", r"^trainer.resume_from_checkpoint .* or ckpt_path=x.ckpt\.$"),
     ],
 )  # fmt: skip
 def test_a_key_the_trainer_does_not_take_is_one_line(override, message):
     with pytest.raises(ValueError, match=message):
         compose_config([override])
+
+
+def test_lightning_1s_gpus_on_the_command_line_points_to_cluster_devices(monkeypatch, capfd):
+    """``trainer.gpus=2`` pointed to a source file listing the Trainer's arguments."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_dist.run.train import main
+
+    GlobalHydra.instance().clear()  # compose_config's, from the tests before: the app initializes its own
+    monkeypatch.setattr(sys, "argv", ["lightning-dist-train", "trainer.gpus=2"])
+    with pytest.raises(SystemExit):
+        main()
+    assert capfd.readouterr().err.strip() == (
+        "error: trainer.gpus is Lightning 1's; use cluster=gpu cluster.devices=2 (Lightning 2 counts them with "
+        "devices=)."
+    )
 
 
 def test_a_moved_setting_on_the_command_line_says_where_it_went(monkeypatch):
