@@ -18,9 +18,10 @@ from pathlib import Path
 OURS_ENV = "LIGHTNING_DIST_LAUNCHER_PID"
 
 
-def launcher(env: Mapping[str, str] = os.environ) -> str | None:
+def launcher(env: Mapping[str, str] | None = None) -> str | None:
     """``"ours"``, ``"torchrun"``, ``"slurm"`` (one ``srun`` task of several), ``"submitit"`` (a task of submitit's
     local executor), or ``None`` (a plain process)."""
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     if OURS_ENV in env:
         return "ours"
     if all(var in env for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE")):
@@ -32,12 +33,13 @@ def launcher(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
-def launcher_sizes(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+def launcher_sizes(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """``(processes on this node, nodes)`` as torchrun or ``srun`` started this job; ``None`` under another launcher.
 
     The launcher states these already (``--nproc-per-node`` / ``--ntasks-per-node`` and the world size); the config
     takes them instead of asking for them a second time.
     """
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     kind = launcher(env)
     if kind == "torchrun":
         local, world = env_int(env.get("LOCAL_WORLD_SIZE")), env_int(env.get("WORLD_SIZE"))
@@ -50,8 +52,9 @@ def launcher_sizes(env: Mapping[str, str] = os.environ) -> tuple[int, int] | Non
     return local, world // local
 
 
-def slurm_tasks_on_node(env: Mapping[str, str] = os.environ) -> int:
+def slurm_tasks_on_node(env: Mapping[str, str] | None = None) -> int:
     """``SLURM_TASKS_PER_NODE`` for this node ("8(x2)" or "8,8"), 0 where SLURM did not start us."""
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     if launcher(env) != "slurm":
         return 0
     text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
@@ -63,8 +66,9 @@ def slurm_tasks_on_node(env: Mapping[str, str] = os.environ) -> int:
     return counts[node] if node < len(counts) else 0
 
 
-def restart_count(env: Mapping[str, str] = os.environ) -> int:
+def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times the external launcher restarted this job (torchrun ``--max-restarts``, a SLURM requeue)."""
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     kind = launcher(env)
     if kind == "torchrun":
         return env_int(env.get("TORCHELASTIC_RESTART_COUNT"))
@@ -73,7 +77,7 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
     return 0
 
 
-def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
+def run_dir(root: str = "outputs", env: Mapping[str, str] | None = None) -> str:
     """The run folder (Hydra's ``hydra.run.dir``): the same for every rank, node and restart of one job.
 
     - torchrun: ``<root>/torchrun-<rdzv id>``; with torchrun's default id ``none``, the start time of the torchrun
@@ -81,6 +85,7 @@ def run_dir(root: str = "outputs", env: Mapping[str, str] = os.environ) -> str:
     - SLURM (``srun``): ``<root>/slurm-<job id>`` (``<array job>_<task>`` in an array), kept across requeues.
     - Otherwise: ``<root>/<date>/<time>``, now.
     """
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     kind = launcher(env)
     if kind == "torchrun":
         run_id = env["TORCHELASTIC_RUN_ID"]
@@ -151,8 +156,9 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def is_global_zero(env: Mapping[str, str] = os.environ) -> bool:
+def is_global_zero(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process is rank 0 of its job (or not a rank at all), from the launcher's variables: ``RANK``
     (ours, torchrun, submitit) or ``SLURM_PROCID`` (``srun`` sets no ``RANK``). For one writer per job before (or
     without) a Lightning ``Trainer``; a Lightning callback uses ``trainer.is_global_zero``."""
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     return env.get("RANK", env.get("SLURM_PROCID", "0")) == "0"

@@ -18,13 +18,14 @@ from lightning_dist.environment import env_int, launcher, slurm_tasks_on_node
 
 
 # ---------------------------------------------------------------------------------------------------- preflight
-def preflight(cfg: Any, dims: Any, env: Mapping[str, str] = os.environ) -> None:
+def preflight(cfg: Any, dims: Any, env: Mapping[str, str] | None = None) -> None:
     """What one rank of a torchrun / SLURM job can check alone before the rendezvous; one line naming the value
     and the fix instead of a hang or a traceback.
 
     Raises:
         ValueError: Processes on this node, world size, tensor-parallel placement, master address or port.
     """
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     kind, c = launcher(env), cfg.cluster
     local = env_int(env.get("LOCAL_WORLD_SIZE")) or slurm_tasks_on_node(env)
     flag = "--nproc-per-node" if kind == "torchrun" else "--ntasks-per-node"
@@ -81,12 +82,13 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
-def enable_flight_recorder(out_dir: Path, accelerator: str, env: MutableMapping[str, str] = os.environ) -> None:
+def enable_flight_recorder(out_dir: Path, accelerator: str, env: MutableMapping[str, str] | None = None) -> None:
     """On CUDA, have NCCL record each rank's recent collectives and write them to ``<out_dir>/flight_recorder/``
     when one times out (``cluster.collective_timeout_s``): which collective each rank was in, and which rank never
     arrived. Read with ``python -m torch.distributed.flight_recorder.fr_trace <folder> -j``. Variables already set
     win; gloo (CPU) has no flight recorder. Called in a rank before its process group is created.
     """
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     if accelerator != "gpu":
         return
     folder = out_dir / "flight_recorder"

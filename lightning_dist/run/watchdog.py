@@ -88,12 +88,13 @@ class Watchdog:
                 return
 
 
-def watch_external_job(out_dir: Path, env: MutableMapping[str, str] = os.environ) -> Watchdog | None:
+def watch_external_job(out_dir: Path, env: MutableMapping[str, str] | None = None) -> Watchdog | None:
     """Under torchrun / srun: make this rank beat into the run folder and, on a watching rank, start the watchdog.
 
     Returns:
         The started watchdog (stop it when training ends), or ``None`` (another launcher, or a rank that only beats).
     """
+    env = os.environ if env is None else env  # read now: a library may rebind os.environ
     kind = launcher(env)
     if kind not in ("torchrun", "slurm"):
         return None

@@ -3,6 +3,7 @@ preflight checks a torchrun / srun rank makes alone, each a one-line error."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import socket
@@ -375,3 +376,13 @@ def test_the_watchdog_names_the_rank_silent_past_its_allowance(tmp_path: Path) -
     assert re.match(
         r"^rank 1: hung: no progress for 10 s after step 5 \(allowed 3 s; resilience.hang_timeout_s\)", hangs[0]
     )
+
+
+def test_the_launcher_is_read_from_os_environ_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """datasets' ``map(num_proc > 1)`` rebinds ``os.environ`` to a copy (datasets 3-4, arrow_dataset.py): a default
+    argument bound to the old object would read a stale environment from then on."""
+    rebound = copy.deepcopy(os.environ)  # what datasets puts back
+    rebound.update({"TORCHELASTIC_RUN_ID": "7", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    rebound["TORCHELASTIC_RESTART_COUNT"] = "1"
+    monkeypatch.setattr(os, "environ", rebound)
+    assert where.launcher() == "torchrun" and where.restart_count() == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 from helpers import FAST, compose_config
@@ -59,11 +60,18 @@ def test_a_replica_group_plans_the_layout_without_its_replica_axis() -> None:
     assert (group.dp_replicate, group.dp_shard, group.world_size) == (1, 2, 2)
 
 
+def _only_torchrun(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:
+    """This process as a torchrun rank: its variables, none of another launcher's (an earlier in-process run's)."""
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_", "LIGHTNING_DIST_"))]:
+        monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
 def test_under_torchrun_each_job_names_its_group_and_lighthouse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun each job is one replica group: its group and the Lighthouse come from the command line."""
     torchrun = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    for name, value in torchrun.items():
-        monkeypatch.setenv(name, value)
+    _only_torchrun(monkeypatch, torchrun)
     overrides = [*FAST, *FT, "parallelism.dp_replicate=2", "cluster.devices=2"]
     with pytest.raises(ValueError, match=r"^parallelism.replicas.recovery=torchft under torchrun: each job is one of"):
         validate(compose_config(overrides))
@@ -77,8 +85,7 @@ def test_a_restarted_replica_group_rejoins_from_a_peer(monkeypatch: pytest.Monke
     """torchrun restarting one replica group's job: it copies a live peer's state (the peers are ahead of its own
     newest checkpoint); ckpt_path=torchft:peer needs the torchft recovery."""
     torchrun = {"TORCHELASTIC_RUN_ID": "7", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    for name, value in {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"}.items():
-        monkeypatch.setenv(name, value)
+    _only_torchrun(monkeypatch, {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"})
     monkeypatch.setattr("lightning_dist.config.strategy_rules.check_reachable", lambda address: None)
     group = ["parallelism.dp_replicate=2", "cluster.devices=2", "parallelism.replicas.group=1"]
     valid = validate(compose_config([*FAST, *FT, *group, "parallelism.replicas.lighthouse=h:1"]))
